@@ -1,0 +1,398 @@
+//! Element-wise benchmarks: every unary op and activation, the binary ops, the row broadcast and
+//! the fused `act(x * scale + bias)`, forward and backward, at 2^28 elements and at 2^16, timed
+//! the way `triton.testing.do_bench` times PyTorch in `benches/torch_baselines.py`, so the two
+//! sets of numbers compare directly (`scripts/compare.py`).
+//!
+//! Timing, per iteration, all enqueued without host synchronisation: an L2 flush (`fill_` of a
+//! 256 MiB f32 scratch tensor), a CUDA event, the op once (allocating its outputs, as PyTorch
+//! eager does), a CUDA event; the outputs are freed after the second event. After the batch every
+//! event pair is read; `iter_custom` gets the summed GPU time, and every per-iteration time is
+//! kept so that the median (what `do_bench(return_mode="median")` reports) is computed here.
+//! Before criterion's own warm-up each case runs at least 3 times and 25 ms (do_bench's warm-up).
+//! The median is over all of criterion's calls for the case (its warm-up and its samples): the
+//! case is already warm then, and do_bench likewise takes the median of all its repeats.
+//!
+//! ```text
+//! cargo bench --bench elementwise                        # everything, under 4 minutes on an H100
+//! cargo bench --bench elementwise -- 'f32/fwd/gelu/'     # a regex over the names below
+//! cargo bench --bench elementwise -- '/65536$'           # the small size only
+//! cargo bench --bench elementwise -- '^elementwise/(bf16|f16)/'
+//! KERNELS_BENCH_JSON=ours.json cargo bench --bench elementwise   # also write the medians
+//! ```
+//!
+//! Names: `elementwise/<dtype>/<fwd|bwd>/<op>/<n>`, e.g. `elementwise/f32/bwd/gelu/268435456`;
+//! the device-to-device copy (the memory ceiling) is `elementwise/f32/fwd/copy/<n>`.
+//!
+//! GB/s counts each input read once and each output written once: unary forward 2N elements,
+//! backward 3N (x and grad in, grad_x out); binary 3N and 5N; the row and fused ops 2N forward and
+//! 3N backward plus their `[cols]` parameter vectors (read, and their gradients written).
+//! With no GPU the bench prints why and exits 0.
+
+use criterion::{Criterion, Throughput};
+use kernels::ops::{self, Activation, BinaryOp, UnaryOp};
+use kernels::{DType, Device, Event, Result, Tensor};
+use std::time::{Duration, Instant};
+
+/// Columns of the `[rows, COLS]` inputs (the last dimension of the row and fused ops).
+const COLS: usize = 1024;
+/// The sizes: 2^28 (fills the chip, far beyond L2) and 2^16 (launch-bound).
+const SIZES: [usize; 2] = [1 << 28, 1 << 16];
+/// The L2 flush: as do_bench, 256 MB written before every timed run (H100's L2 is 50 MB).
+const FLUSH_ELEMS: usize = 1 << 26;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Dir {
+    Fwd,
+    Bwd,
+}
+
+impl Dir {
+    fn as_str(self) -> &'static str {
+        match self {
+            Dir::Fwd => "fwd",
+            Dir::Bwd => "bwd",
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Copy,
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    AddRow,
+    Fused(Activation),
+}
+
+struct Case {
+    op: &'static str,
+    kind: Kind,
+    dtype: DType,
+    n: usize,
+    dir: Dir,
+}
+
+fn dtype_name(dt: DType) -> &'static str {
+    match dt {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+    }
+}
+
+impl Case {
+    fn name(&self) -> String {
+        format!("{}/{}/{}/{}", dtype_name(self.dtype), self.dir.as_str(), self.op, self.n)
+    }
+
+    /// Bytes moved at the minimum: each input read once, each output written once.
+    fn bytes(&self) -> u64 {
+        let (n, c, s) = (self.n as u64, COLS as u64, self.dtype.size() as u64);
+        let elems = match (self.kind, self.dir) {
+            (Kind::Copy, _) => 2 * n,
+            (Kind::Unary(_), Dir::Fwd) => 2 * n,
+            (Kind::Unary(_), Dir::Bwd) => 3 * n,
+            (Kind::Binary(_), Dir::Fwd) => 3 * n,
+            (Kind::Binary(_), Dir::Bwd) => 5 * n,
+            // x in, out; the row in.
+            (Kind::AddRow, Dir::Fwd) => 2 * n + c,
+            // x and grad in, grad_x out; the row in, its gradient out.
+            (Kind::AddRow, Dir::Bwd) => 3 * n + 2 * c,
+            (Kind::Fused(_), Dir::Fwd) => 2 * n + 2 * c,
+            (Kind::Fused(_), Dir::Bwd) => 3 * n + 4 * c,
+        };
+        elems * s
+    }
+
+    /// Inputs where the op's domain wants positive numbers.
+    fn positive_input(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Unary(UnaryOp::Log | UnaryOp::Log1p | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Pow(_))
+        )
+    }
+}
+
+/// The whole list, big size first within each dtype.
+fn cases() -> Vec<Case> {
+    let unary: Vec<(&'static str, UnaryOp)> = vec![
+        ("neg", UnaryOp::Neg),
+        ("abs", UnaryOp::Abs),
+        ("exp", UnaryOp::Exp),
+        ("log", UnaryOp::Log),
+        ("expm1", UnaryOp::Expm1),
+        ("log1p", UnaryOp::Log1p),
+        ("erf", UnaryOp::Erf),
+        ("sqrt", UnaryOp::Sqrt),
+        ("rsqrt", UnaryOp::Rsqrt),
+        ("pow", UnaryOp::Pow(3.0)),
+        ("clamp", UnaryOp::Clamp { min: -0.5, max: 0.5 }),
+        ("add_scalar", UnaryOp::AddScalar(1.5)),
+        ("sub_scalar", UnaryOp::SubScalar(1.5)),
+        ("mul_scalar", UnaryOp::MulScalar(1.5)),
+        ("div_scalar", UnaryOp::DivScalar(1.5)),
+        ("identity", Activation::Identity.into()),
+        ("relu", Activation::Relu.into()),
+        ("leaky_relu", Activation::LEAKY_RELU.into()),
+        ("sigmoid", Activation::Sigmoid.into()),
+        ("tanh", Activation::Tanh.into()),
+        ("gelu", Activation::Gelu.into()),
+        ("gelu_tanh", Activation::GeluTanh.into()),
+        ("silu", Activation::Silu.into()),
+        ("mish", Activation::Mish.into()),
+        ("softplus", Activation::SOFTPLUS.into()),
+    ];
+    let binary = [("add", BinaryOp::Add), ("sub", BinaryOp::Sub), ("mul", BinaryOp::Mul), ("div", BinaryOp::Div)];
+    let fused = [
+        ("scale_bias_relu", Activation::Relu),
+        ("scale_bias_gelu", Activation::Gelu),
+        ("scale_bias_silu", Activation::Silu),
+    ];
+    let mut v = Vec::new();
+    for &n in &SIZES {
+        let mut push = |op, kind, dtype, dir| v.push(Case { op, kind, dtype, n, dir });
+        push("copy", Kind::Copy, DType::F32, Dir::Fwd);
+        for &(op, u) in &unary {
+            push(op, Kind::Unary(u), DType::F32, Dir::Fwd);
+            push(op, Kind::Unary(u), DType::F32, Dir::Bwd);
+        }
+        for &(op, b) in &binary {
+            push(op, Kind::Binary(b), DType::F32, Dir::Fwd);
+            push(op, Kind::Binary(b), DType::F32, Dir::Bwd);
+        }
+        push("add_row", Kind::AddRow, DType::F32, Dir::Fwd);
+        push("add_row", Kind::AddRow, DType::F32, Dir::Bwd);
+        for &(op, a) in &fused {
+            push(op, Kind::Fused(a), DType::F32, Dir::Fwd);
+            push(op, Kind::Fused(a), DType::F32, Dir::Bwd);
+        }
+        for dt in [DType::BF16, DType::F16] {
+            push("gelu", Kind::Unary(Activation::Gelu.into()), dt, Dir::Fwd);
+            push("gelu", Kind::Unary(Activation::Gelu.into()), dt, Dir::Bwd);
+            push("relu", Kind::Unary(Activation::Relu.into()), dt, Dir::Fwd);
+            push("exp", Kind::Unary(UnaryOp::Exp), dt, Dir::Fwd);
+            push("add", Kind::Binary(BinaryOp::Add), dt, Dir::Fwd);
+            push("scale_bias_silu", Kind::Fused(Activation::Silu), dt, Dir::Fwd);
+            push("scale_bias_silu", Kind::Fused(Activation::Silu), dt, Dir::Bwd);
+        }
+    }
+    v
+}
+
+/// Enqueues the op once; returns its outputs, so that they are freed after the end event.
+type Run = Box<dyn FnMut() -> Result<Vec<Tensor>>>;
+
+/// Creates the case's inputs (fresh random numbers, never zeros) and the closure that runs it.
+fn build(dev: &Device, case: &Case, seed: u64) -> Result<Run> {
+    let (dt, shape) = (case.dtype, [case.n / COLS, COLS]);
+    let x = if case.positive_input() {
+        Tensor::rand_uniform(dev, &shape, dt, 0.1, 4.0, seed)?
+    } else {
+        Tensor::rand_normal(dev, &shape, dt, 0.0, 1.0, seed)?
+    };
+    let other = |s: u64| Tensor::rand_normal(dev, &shape, dt, 0.0, 1.0, seed.wrapping_add(s));
+    let row = |s: u64, mean: f32| Tensor::rand_normal(dev, &[COLS], dt, mean, 0.5, seed.wrapping_add(s));
+    Ok(match (case.kind, case.dir) {
+        (Kind::Copy, _) => Box::new(move || Ok(vec![x.try_clone()?])),
+        (Kind::Unary(op), Dir::Fwd) => Box::new(move || Ok(vec![ops::unary(&x, op)?])),
+        (Kind::Unary(op), Dir::Bwd) => {
+            let g = other(1)?;
+            Box::new(move || Ok(vec![ops::unary_backward(&x, &g, op)?]))
+        }
+        (Kind::Binary(op), Dir::Fwd) => {
+            let b = other(1)?;
+            Box::new(move || Ok(vec![ops::binary(&x, &b, op)?]))
+        }
+        (Kind::Binary(op), Dir::Bwd) => {
+            let (b, g) = (other(1)?, other(2)?);
+            Box::new(move || {
+                let (ga, gb) = ops::binary_backward(&x, &b, &g, op)?;
+                Ok(vec![ga, gb])
+            })
+        }
+        (Kind::AddRow, Dir::Fwd) => {
+            let r = row(1, 0.0)?;
+            Box::new(move || Ok(vec![ops::binary_row(&x, &r, BinaryOp::Add)?]))
+        }
+        (Kind::AddRow, Dir::Bwd) => {
+            let (r, g) = (row(1, 0.0)?, other(2)?);
+            Box::new(move || {
+                let (gx, gr) = ops::binary_row_backward(&x, &r, &g, BinaryOp::Add)?;
+                Ok(vec![gx, gr])
+            })
+        }
+        (Kind::Fused(act), Dir::Fwd) => {
+            let (s, b) = (row(1, 1.0)?, row(2, 0.0)?);
+            Box::new(move || Ok(vec![ops::scale_bias_act(&x, &s, &b, act)?]))
+        }
+        (Kind::Fused(act), Dir::Bwd) => {
+            let (s, b, g) = (row(1, 1.0)?, row(2, 0.0)?, other(3)?);
+            Box::new(move || {
+                let gr = ops::scale_bias_act_backward(&x, &s, &b, &g, act)?;
+                Ok(vec![gr.x, gr.scale, gr.bias])
+            })
+        }
+    })
+}
+
+/// The device-side state of one case, built when criterion first runs it.
+struct State {
+    run: Run,
+    /// Per-iteration GPU times (ms) of every timed run.
+    samples: Vec<f32>,
+}
+
+/// Runs `iters` iterations of flush, event, op, event without synchronising, then reads the event
+/// pairs. Returns the summed GPU time and appends each iteration's time to `samples`.
+fn time_iters(dev: &Device, flush: &mut Tensor, run: &mut Run, iters: u64, samples: &mut Vec<f32>) -> Result<Duration> {
+    let mut pairs: Vec<(Event, Event)> = Vec::with_capacity(iters as usize);
+    for i in 0..iters {
+        flush.fill_(i as f32)?;
+        let start = dev.record_event()?;
+        let outputs = run()?;
+        let end = dev.record_event()?;
+        drop(outputs);
+        pairs.push((start, end));
+    }
+    let mut total_ms = 0.0f64;
+    for (start, end) in &pairs {
+        let ms = start.elapsed_ms(end)?;
+        samples.push(ms);
+        total_ms += ms as f64;
+    }
+    Ok(Duration::from_secs_f64(total_ms / 1e3))
+}
+
+/// do_bench's warm-up: at least 25 ms and 3 runs, each after an L2 flush, then a synchronisation.
+fn warm_up(dev: &Device, flush: &mut Tensor, run: &mut Run) -> Result<()> {
+    let t0 = Instant::now();
+    let mut k = 0u32;
+    while k < 3 || t0.elapsed() < Duration::from_millis(25) {
+        flush.fill_(0.0)?;
+        drop(run()?);
+        k += 1;
+        if k.is_multiple_of(8) {
+            dev.synchronize()?;
+        }
+    }
+    dev.synchronize()
+}
+
+fn median(v: &mut [f32]) -> f64 {
+    v.sort_by(f32::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] as f64 } else { (v[m - 1] as f64 + v[m] as f64) / 2.0 }
+}
+
+struct Record {
+    name: String,
+    op: &'static str,
+    dtype: &'static str,
+    n: usize,
+    dir: &'static str,
+    bytes: u64,
+    ms: f64,
+}
+
+fn json_num(x: f64) -> String {
+    if x.is_finite() { format!("{x}") } else { "null".into() }
+}
+
+fn write_json(path: &str, records: &[Record]) -> std::io::Result<()> {
+    let mut s = String::from("[\n");
+    for (i, r) in records.iter().enumerate() {
+        let gbs = r.bytes as f64 / r.ms / 1e6;
+        s += &format!(
+            "  {{\"name\": \"{}\", \"op\": \"{}\", \"dtype\": \"{}\", \"n\": {}, \"direction\": \"{}\", \
+             \"bytes\": {}, \"ms\": {}, \"gbs\": {}}}{}\n",
+            r.name,
+            r.op,
+            r.dtype,
+            r.n,
+            r.dir,
+            r.bytes,
+            json_num(r.ms),
+            json_num(gbs),
+            if i + 1 < records.len() { "," } else { "" }
+        );
+    }
+    s += "]\n";
+    std::fs::write(path, s)
+}
+
+fn fail(what: &str, e: kernels::Error) -> ! {
+    panic!("{what}: {e}")
+}
+
+fn main() {
+    let dev = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("no GPU: {e}, benchmarks skipped");
+            return;
+        }
+    };
+    println!("device: {} ({} SMs)", dev.name(), dev.sm_count());
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_millis(500))
+        .nresamples(10_000)
+        .without_plots()
+        .configure_from_args();
+    let mut flush = Tensor::zeros(&dev, &[FLUSH_ELEMS], DType::F32).unwrap_or_else(|e| fail("L2 flush buffer", e));
+    let json_path = std::env::var("KERNELS_BENCH_JSON").ok();
+    let mut records = Vec::new();
+    let mut group = c.benchmark_group("elementwise");
+    for (i, case) in cases().iter().enumerate() {
+        let name = case.name();
+        let mut state: Option<State> = None;
+        group.throughput(Throughput::BytesDecimal(case.bytes()));
+        group.bench_function(name.as_str(), |b| {
+            // Built only when criterion runs the case (not when it is filtered out or listed).
+            let st = state.get_or_insert_with(|| {
+                let mut run = build(&dev, case, 0x5eed_0000 + i as u64 * 16).unwrap_or_else(|e| fail(&name, e));
+                warm_up(&dev, &mut flush, &mut run).unwrap_or_else(|e| fail(&name, e));
+                State { run, samples: Vec::new() }
+            });
+            b.iter_custom(|iters| {
+                time_iters(&dev, &mut flush, &mut st.run, iters, &mut st.samples).unwrap_or_else(|e| fail(&name, e))
+            });
+        });
+        if let Some(mut st) = state {
+            drop(st.run); // frees the inputs before the next case allocates its own
+            if !st.samples.is_empty() {
+                let ms = median(&mut st.samples);
+                records.push(Record {
+                    name: format!("elementwise/{name}"),
+                    op: case.op,
+                    dtype: dtype_name(case.dtype),
+                    n: case.n,
+                    dir: case.dir.as_str(),
+                    bytes: case.bytes(),
+                    ms,
+                });
+                let r = records.last().expect("just pushed");
+                println!(
+                    "median {:<44} {:>10.2} us {:>8.1} GB/s ({} runs)",
+                    r.name,
+                    ms * 1e3,
+                    r.bytes as f64 / ms / 1e6,
+                    st.samples.len()
+                );
+                // Rewritten after every case, so that a run cut short keeps what it measured.
+                if let Some(path) = &json_path
+                    && let Err(e) = write_json(path, &records)
+                {
+                    eprintln!("cannot write {path}: {e}");
+                    std::process::exit(1);
+                }
+            }
+        }
+    }
+    group.finish();
+    c.final_summary();
+    if let Some(path) = &json_path {
+        println!("wrote {} records to {path}", records.len());
+    }
+}

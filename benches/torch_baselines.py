@@ -1,0 +1,205 @@
+"""PyTorch baselines for benches/elementwise.rs: the same ops, sizes, dtypes and directions,
+timed exactly as /work/shared/anchors.py times PyTorch (triton.testing.do_bench, warmup=25,
+rep=200, median: CUDA events, L2 flushed before every run), written as the same JSON records
+as the Rust bench ({"name", "op", "dtype", "n", "direction", "bytes", "ms", "gbs"}), so that
+scripts/compare.py joins the two on (op, dtype, n, direction).
+
+    python3 benches/torch_baselines.py torch.json [REGEX]
+
+REGEX (optional) keeps only the records whose name matches, like the bench's filter.
+
+Backward baselines are what PyTorch runs for that gradient: the aten backward op where one
+exists (gelu_backward, threshold_backward, ...), otherwise torch.autograd.grad over a retained
+graph (so the graph's host overhead counts, as it does in training). Note that some gradients
+run no kernel at all in PyTorch (add: both gradients alias the incoming one; add_scalar,
+sub_scalar: the gradient passes through; add_row: grad_x aliases it), while our ops always
+write fresh outputs. The fused baseline is the three-kernel eager sequence act(x * scale + bias),
+forward and backward (autograd w.r.t. x, scale and bias).
+
+Bytes are counted as in the Rust bench (each input read once, each output written once):
+unary 2N / 3N, binary 3N / 5N, add_row 2N + C / 3N + 2C, fused 2N + 2C / 3N + 4C (C = 1024
+columns), copy 2N; times the element size.
+"""
+import json
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+aten = torch.ops.aten
+dev = "cuda"
+COLS = 1024
+SIZES = [1 << 28, 1 << 16]
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "pow"}
+
+g_ = torch.Generator(device=dev).manual_seed(0)
+
+
+def normal(shape, dt, mean=0.0, std=1.0):
+    return (torch.randn(*shape, device=dev, dtype=torch.float32, generator=g_) * std + mean).to(dt)
+
+
+def positive(shape, dt):
+    return (torch.rand(*shape, device=dev, dtype=torch.float32, generator=g_) * 3.9 + 0.1).to(dt)
+
+
+def autograd_bwd(f, x, g):
+    """dL/dx of f at x given dL/dy = g, through autograd over a retained graph."""
+    xr = x.detach().requires_grad_(True)
+    y = f(xr)
+    return lambda: torch.autograd.grad(y, xr, g, retain_graph=True)
+
+
+def result_bwd(f, aten_bwd):
+    """Backward ops that take the forward's result, as PyTorch's autograd calls them."""
+    def build(x, g):
+        y = f(x)
+        return lambda: aten_bwd(g, y)
+    return build
+
+
+# name -> (forward, backward builder (x, g) -> thunk, or None for autograd)
+UNARY = {
+    "neg": (torch.neg, None),
+    "abs": (torch.abs, None),
+    "exp": (torch.exp, None),
+    "log": (torch.log, None),
+    "expm1": (torch.expm1, None),
+    "log1p": (torch.log1p, None),
+    "erf": (torch.erf, None),
+    "sqrt": (torch.sqrt, None),
+    "rsqrt": (torch.rsqrt, None),
+    "pow": (lambda x: torch.pow(x, 3.0), None),
+    "clamp": (lambda x: torch.clamp(x, -0.5, 0.5), None),
+    "add_scalar": (lambda x: x + 1.5, None),
+    "sub_scalar": (lambda x: x - 1.5, None),
+    "mul_scalar": (lambda x: x * 1.5, None),
+    "div_scalar": (lambda x: x / 1.5, None),
+    # Our identity op writes a new tensor: the out-of-place equivalent is a copy, both ways.
+    "identity": (torch.clone, lambda x, g: lambda: g.clone()),
+    "relu": (F.relu, result_bwd(F.relu, lambda g, y: aten.threshold_backward(g, y, 0))),
+    "leaky_relu": (F.leaky_relu, lambda x, g: lambda: aten.leaky_relu_backward(g, x, 0.01, False)),
+    "sigmoid": (torch.sigmoid, result_bwd(torch.sigmoid, aten.sigmoid_backward)),
+    "tanh": (torch.tanh, result_bwd(torch.tanh, aten.tanh_backward)),
+    "gelu": (F.gelu, lambda x, g: lambda: aten.gelu_backward(g, x)),
+    "gelu_tanh": (
+        lambda x: F.gelu(x, approximate="tanh"),
+        lambda x, g: lambda: aten.gelu_backward(g, x, approximate="tanh"),
+    ),
+    "silu": (F.silu, lambda x, g: lambda: aten.silu_backward(g, x)),
+    "mish": (F.mish, lambda x, g: lambda: aten.mish_backward(g, x)),
+    "softplus": (F.softplus, lambda x, g: lambda: aten.softplus_backward(g, x, 1.0, 20.0)),
+}
+BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+FUSED = {"scale_bias_relu": F.relu, "scale_bias_gelu": F.gelu, "scale_bias_silu": F.silu}
+
+
+def cases():
+    """(op, kind, dtype, n, direction), in the Rust bench's order."""
+    out = []
+    for n in SIZES:
+        out.append(("copy", "copy", "f32", n, "fwd"))
+        for op in UNARY:
+            out += [(op, "unary", "f32", n, "fwd"), (op, "unary", "f32", n, "bwd")]
+        for op in BINARY:
+            out += [(op, "binary", "f32", n, "fwd"), (op, "binary", "f32", n, "bwd")]
+        out += [("add_row", "row", "f32", n, "fwd"), ("add_row", "row", "f32", n, "bwd")]
+        for op in FUSED:
+            out += [(op, "fused", "f32", n, "fwd"), (op, "fused", "f32", n, "bwd")]
+        for dt in ("bf16", "f16"):
+            out += [
+                ("gelu", "unary", dt, n, "fwd"),
+                ("gelu", "unary", dt, n, "bwd"),
+                ("relu", "unary", dt, n, "fwd"),
+                ("exp", "unary", dt, n, "fwd"),
+                ("add", "binary", dt, n, "fwd"),
+                ("scale_bias_silu", "fused", dt, n, "fwd"),
+                ("scale_bias_silu", "fused", dt, n, "bwd"),
+            ]
+    return out
+
+
+def nbytes(kind, direction, n, dt):
+    size = torch.tensor([], dtype=DTYPES[dt]).element_size()
+    c = COLS
+    elems = {
+        ("copy", "fwd"): 2 * n,
+        ("unary", "fwd"): 2 * n,
+        ("unary", "bwd"): 3 * n,
+        ("binary", "fwd"): 3 * n,
+        ("binary", "bwd"): 5 * n,
+        ("row", "fwd"): 2 * n + c,
+        ("row", "bwd"): 3 * n + 2 * c,
+        ("fused", "fwd"): 2 * n + 2 * c,
+        ("fused", "bwd"): 3 * n + 4 * c,
+    }[(kind, direction)]
+    return elems * size
+
+
+def build(op, kind, dt, n, direction):
+    """Fresh random inputs (never zeros) and the thunk PyTorch runs for this case."""
+    t = DTYPES[dt]
+    shape = (n // COLS, COLS)
+    x = positive(shape, t) if op in POSITIVE else normal(shape, t)
+    if kind == "copy":
+        return lambda: x.clone()
+    if kind == "unary":
+        fwd, bwd = UNARY[op]
+        if direction == "fwd":
+            return lambda: fwd(x)
+        g = normal(shape, t)
+        return bwd(x, g) if bwd is not None else autograd_bwd(fwd, x, g)
+    if kind == "binary":
+        f, b = BINARY[op], normal(shape, t)
+        if direction == "fwd":
+            return lambda: f(x, b)
+        g = normal(shape, t)
+        xr, br = x.requires_grad_(True), b.requires_grad_(True)
+        y = f(xr, br)
+        return lambda: torch.autograd.grad(y, (xr, br), g, retain_graph=True)
+    if kind == "row":
+        r = normal((COLS,), t)
+        if direction == "fwd":
+            return lambda: x + r
+        g = normal(shape, t)
+        xr, rr = x.requires_grad_(True), r.requires_grad_(True)
+        y = xr + rr
+        return lambda: torch.autograd.grad(y, (xr, rr), g, retain_graph=True)
+    if kind == "fused":
+        act, s, b = FUSED[op], normal((COLS,), t, 1.0, 0.5), normal((COLS,), t, 0.0, 0.5)
+        if direction == "fwd":
+            return lambda: act(x * s + b)
+        g = normal(shape, t)
+        xr, sr, br = x.requires_grad_(True), s.requires_grad_(True), b.requires_grad_(True)
+        y = act(xr * sr + br)
+        return lambda: torch.autograd.grad(y, (xr, sr, br), g, retain_graph=True)
+    raise ValueError(kind)
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
+    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda, flush=True)
+    rows = []
+    for op, kind, dt, n, direction in cases():
+        name = f"torch/{dt}/{direction}/{op}/{n}"
+        if keep is not None and not keep.search(name):
+            continue
+        fn = build(op, kind, dt, n, direction)
+        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+        b = nbytes(kind, direction, n, dt)
+        gbs = b / ms / 1e6
+        rows.append(dict(name=name, op=op, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs))
+        print(f"{name:44s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
+        del fn
+        torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {len(rows)} records to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,505 @@
+//! The runtime: one [`Device`] per GPU, holding its context, its stream and the kernel module.
+//!
+//! This is the only module that talks to the CUDA driver (through `cudarc`'s thin `result`/`sys`
+//! layer). Everything unsafe about the driver is here, each call with the invariant it relies
+//! on; the rest of the library uses the safe methods below.
+//!
+//! Ordering: every operation of a device runs on that device's one stream, in the order it was
+//! issued, so results are ready for the next op without synchronisation; copies back to the host
+//! synchronise. Memory comes from the driver's stream-ordered pool (`cuMemAllocAsync`), and freed
+//! buffers are cached by the device and reused without a driver call (see `Device::alloc`).
+
+use crate::error::{Error, Result, driver};
+use cudarc::driver::{result, sys};
+use kernels_gpu::kernel::KernelArgs;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The PTX of every kernel, built from `kernels-gpu` by `build.rs` and stored deflated.
+static PTX_DEFLATED: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.ptx.deflate"));
+
+/// The PTX of every kernel (decompressed on first use).
+pub fn ptx() -> &'static str {
+    static PTX: OnceLock<String> = OnceLock::new();
+    PTX.get_or_init(|| {
+        let bytes = miniz_oxide::inflate::decompress_to_vec(PTX_DEFLATED).expect("the embedded PTX is valid deflate");
+        String::from_utf8(bytes).expect("PTX is ASCII")
+    })
+}
+/// The GPU architecture the PTX was compiled for (`sm_80` unless `KERNELS_PTX_ARCH` said
+/// otherwise); the driver compiles it for the GPU at hand when the module loads.
+pub const PTX_ARCH: &str = env!("KERNELS_PTX_ARCH");
+
+/// Grid and block of a launch, plus its dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+/// A kernel of the loaded module.
+struct Kernel {
+    name: String,
+    func: sys::CUfunction,
+    /// Resident blocks per SM at 256 threads: the grid-stride kernels launch one full wave.
+    blocks_per_sm_256: u32,
+}
+
+struct Inner {
+    ordinal: usize,
+    name: String,
+    compute_capability: (i32, i32),
+    sm_count: u32,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    module: sys::CUmodule,
+    kernels: Vec<Kernel>,
+    by_name: HashMap<String, usize>,
+    /// Index of the last kernel launched, to name it when a later synchronisation reports that a
+    /// kernel faulted.
+    last_launch: AtomicUsize,
+    /// `KERNELS_SYNC=1`: synchronise after every launch, so a fault is pinned to its kernel.
+    sync_each_launch: bool,
+    /// `KERNELS_POISON_ALLOC=1`: fill every new allocation with 0xFF bytes (NaN in f32, f16 and
+    /// bf16), so an element a kernel fails to write reads back as NaN. For tests; costs a memset.
+    poison_alloc: bool,
+    /// Freed blocks by capacity, reused without a driver call (see `alloc`).
+    pool: Mutex<HashMap<usize, Vec<sys::CUdeviceptr>>>,
+}
+
+// SAFETY: CUDA driver handles (context, stream, module, functions) may be used from any thread
+// once the context is made current there, which `bind` does before every driver call.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+/// A CUDA GPU with the library's kernels loaded. Cheap to clone (shared); one per GPU per
+/// process, created on first use by [`Device::cuda`].
+#[derive(Clone)]
+pub struct Device(Arc<Inner>);
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device(cuda:{} {})", self.0.ordinal, self.0.name)
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+thread_local! {
+    static CURRENT_CTX: Cell<sys::CUcontext> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
+
+/// Loads and initialises the driver library; an error, never a panic, when it is missing.
+fn init_driver() -> Result<()> {
+    static INIT: OnceLock<Result<(), Error>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes whether the shared library can be opened. cudarc panics on the
+        // first driver call if it cannot, which this check is here to prevent.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoDriver { detail: "the NVIDIA driver library libcuda.so.1 was not found".into() });
+        }
+        result::init().map_err(|e| Error::NoDriver { detail: format!("cuInit failed: {e:?}") })
+    })
+    .clone()
+}
+
+/// Number of CUDA devices; an error when there is no driver.
+pub fn device_count() -> Result<usize> {
+    init_driver()?;
+    result::device::get_count().map(|n| n as usize).map_err(|e| driver("device_count", e))
+}
+
+impl Device {
+    /// GPU `ordinal`, initialised on first use (context, stream, module load, kernel lookup);
+    /// later calls return the same device.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = map.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Device(Arc::new(Inner::new(ordinal)?));
+        map.insert(ordinal, d.clone());
+        Ok(d)
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.0.ordinal
+    }
+    /// The GPU's name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.0.compute_capability
+    }
+    pub fn sm_count(&self) -> u32 {
+        self.0.sm_count
+    }
+
+    /// Makes this device's context current on the calling thread (cached per thread).
+    pub(crate) fn bind(&self) -> Result<()> {
+        let ctx = self.0.ctx;
+        if CURRENT_CTX.with(|c| c.get()) != ctx {
+            // SAFETY: ctx is the retained primary context of this device, alive while self is.
+            unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver("bind", e))?;
+            CURRENT_CTX.with(|c| c.set(ctx));
+        }
+        Ok(())
+    }
+
+    /// Waits for all work issued on this device. Reports a kernel fault with the name of the
+    /// last kernel launched (exact with `KERNELS_SYNC=1`, which synchronises after every launch).
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the stream belongs to this device's context, bound above.
+        unsafe { result::stream::synchronize(self.0.stream) }.map_err(|e| self.kernel_fault(e))
+    }
+
+    fn kernel_fault(&self, e: cudarc::driver::DriverError) -> Error {
+        let i = self.0.last_launch.load(Ordering::Relaxed);
+        let kernel = self.0.kernels.get(i).map_or("<none>".to_string(), |k| k.name.clone());
+        let message = match e.error_string() {
+            Ok(s) => format!("{:?}: {}", e.0, s.to_string_lossy()),
+            Err(_) => format!("{:?}", e.0),
+        };
+        Error::Kernel { kernel, message }
+    }
+
+    /// Resident 256-thread blocks per SM for `kernel`.
+    pub(crate) fn blocks_per_sm_256(&self, kernel: &str) -> Result<u32> {
+        let i = self.kernel_index(kernel)?;
+        Ok(self.0.kernels[i].blocks_per_sm_256)
+    }
+
+    fn kernel_index(&self, name: &str) -> Result<usize> {
+        self.0.by_name.get(name).copied().ok_or_else(|| Error::KernelNotFound { name: name.into() })
+    }
+
+    /// Launches kernel `name` with `args`, whose type is the kernel's declared signature
+    /// (`kernels_gpu::*::*Args`), so the parameter list cannot disagree with the device.
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be a device address on this device, valid for every element
+    /// the kernel will touch given the other arguments, and no buffer the kernel writes may be
+    /// read or written concurrently by other work. The op functions establish this by checking
+    /// tensor lengths against the arguments before calling.
+    pub(crate) unsafe fn launch<A: KernelArgs>(&self, name: &str, cfg: LaunchConfig, args: A) -> Result<()> {
+        self.bind()?;
+        let i = self.kernel_index(name)?;
+        let mut params = args.param_ptrs();
+        self.0.last_launch.store(i, Ordering::Relaxed);
+        // SAFETY: the function belongs to this context; params point into `args`, alive for the
+        // call (cuLaunchKernel copies the values); the caller upholds the memory contract.
+        unsafe {
+            result::launch_kernel(
+                self.0.kernels[i].func,
+                cfg.grid,
+                cfg.block,
+                cfg.shared_bytes,
+                self.0.stream,
+                &mut params[..A::ARITY],
+            )
+        }
+        .map_err(|e| Error::Kernel { kernel: name.into(), message: format!("launch refused: {e:?} ({cfg:?})") })?;
+        if self.0.sync_each_launch {
+            self.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Allocates `bytes` of device memory. Zero bytes give a null buffer.
+    ///
+    /// Freed buffers go back to a per-device cache of blocks by capacity and are handed out again
+    /// without a driver call, as PyTorch's caching allocator does: an op on a small tensor then
+    /// costs one launch, not a launch and a `cuMemAllocAsync`. Reuse is safe because all work of
+    /// a device is ordered on its one stream: a kernel that writes a reused block runs after
+    /// every kernel that used it before. When the driver reports out-of-memory, the cache is
+    /// released and the allocation tried once more.
+    pub(crate) fn alloc(&self, op: &'static str, bytes: usize) -> Result<DeviceBuffer> {
+        if bytes == 0 {
+            return Ok(DeviceBuffer { ptr: 0, bytes: 0, capacity: 0, dev: self.clone() });
+        }
+        let capacity = block_capacity(bytes);
+        let cached = self.0.pool.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&capacity).and_then(Vec::pop);
+        let ptr = match cached {
+            Some(p) => p,
+            None => {
+                self.bind()?;
+                // SAFETY: the stream belongs to the bound context; the memory is only used on it.
+                let first = unsafe { result::malloc_async(self.0.stream, capacity) };
+                match first {
+                    Ok(p) => p,
+                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                        self.empty_cache()?;
+                        // SAFETY: as above.
+                        unsafe { result::malloc_async(self.0.stream, capacity) }.map_err(|e| match driver(op, e) {
+                            Error::OutOfMemory { op, .. } => Error::OutOfMemory { op, bytes },
+                            other => other,
+                        })?
+                    }
+                    Err(e) => return Err(driver(op, e)),
+                }
+            }
+        };
+        let mut buf = DeviceBuffer { ptr, bytes, capacity, dev: self.clone() };
+        if self.0.poison_alloc {
+            buf.memset(0xFF)?;
+        }
+        Ok(buf)
+    }
+
+    /// Returns the cached free blocks to the driver (after the work that used them).
+    pub fn empty_cache(&self) -> Result<()> {
+        let blocks = std::mem::take(&mut *self.0.pool.lock().unwrap_or_else(|p| p.into_inner()));
+        self.bind()?;
+        for p in blocks.into_values().flatten() {
+            // SAFETY: cached blocks are owned by the cache and referenced by nothing else.
+            unsafe { result::free_async(p, self.0.stream) }.map_err(|e| driver("empty_cache", e))?;
+        }
+        self.synchronize()
+    }
+
+    /// Records a timing event on this device's stream.
+    pub fn record_event(&self) -> Result<Event> {
+        self.bind()?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| driver("record_event", e))?;
+        let event = Event { ev, dev: self.clone() };
+        // SAFETY: event and stream belong to the bound context.
+        unsafe { result::event::record(event.ev, self.0.stream) }.map_err(|e| driver("record_event", e))?;
+        Ok(event)
+    }
+}
+
+/// A CUDA event recorded on a device's stream, for timing with [`Event::elapsed_ms`].
+pub struct Event {
+    ev: sys::CUevent,
+    dev: Device,
+}
+
+impl Event {
+    /// Milliseconds of GPU time between `self` and the later event `end`; waits for `end`.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        self.dev.bind()?;
+        // SAFETY: both events were recorded on this device's stream and are alive.
+        unsafe {
+            result::event::synchronize(end.ev).map_err(|e| self.dev.kernel_fault(e))?;
+            result::event::elapsed(self.ev, end.ev).map_err(|e| driver("elapsed_ms", e))
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: the event is not used after this.
+            let _ = unsafe { result::event::destroy(self.ev) };
+        }
+    }
+}
+
+/// Capacity of the block that serves a request of `bytes`: 512-byte steps up to 1 MiB, 2 MiB
+/// steps above, so that blocks are reused across nearby sizes and the cache has few bins.
+pub(crate) fn block_capacity(bytes: usize) -> usize {
+    const SMALL: usize = 512;
+    const LARGE: usize = 2 << 20;
+    if bytes <= 1 << 20 { bytes.div_ceil(SMALL) * SMALL } else { bytes.div_ceil(LARGE) * LARGE }
+}
+
+/// Device memory owned by one tensor; returned to the device's cache on drop.
+pub(crate) struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    capacity: usize,
+    dev: Device,
+}
+
+impl DeviceBuffer {
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+    pub(crate) fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Copies `src` (exactly `bytes` long) into the buffer and waits for the copy.
+    pub(crate) fn copy_from_host<T: Copy>(&mut self, src: &[T]) -> Result<()> {
+        assert_eq!(std::mem::size_of_val(src), self.bytes);
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: the buffer holds `bytes` = size_of_val(src); the synchronisation keeps `src`
+        // borrowed until the copy is done.
+        unsafe {
+            result::memcpy_htod_async(self.ptr, src, self.dev.0.stream).map_err(|e| driver("copy_from_host", e))?;
+        }
+        self.dev.synchronize()
+    }
+
+    /// Copies the buffer into `dst` (exactly `bytes` long), after all earlier work.
+    pub(crate) fn copy_to_host<T: Copy>(&self, dst: &mut [T]) -> Result<()> {
+        assert_eq!(std::mem::size_of_val(dst), self.bytes);
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: sizes match; the synchronisation completes the copy before `dst` is released.
+        unsafe {
+            result::memcpy_dtoh_async(dst, self.ptr, self.dev.0.stream).map_err(|e| driver("copy_to_host", e))?;
+        }
+        self.dev.synchronize()
+    }
+
+    /// Device-to-device copy of the whole buffer into `dst` (same size), stream-ordered.
+    pub(crate) fn copy_to(&self, dst: &mut DeviceBuffer) -> Result<()> {
+        assert_eq!(self.bytes, dst.bytes);
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: both buffers hold `bytes` bytes on this device.
+        unsafe { result::memcpy_dtod_async(dst.ptr, self.ptr, self.bytes, self.dev.0.stream) }
+            .map_err(|e| driver("copy", e))
+    }
+
+    /// Sets every byte to `value`, stream-ordered.
+    pub(crate) fn memset(&mut self, value: u8) -> Result<()> {
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: the buffer holds `bytes` bytes.
+        unsafe { result::memset_d8_async(self.ptr, value, self.bytes, self.dev.0.stream) }
+            .map_err(|e| driver("memset", e))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let mut pool = self.dev.0.pool.lock().unwrap_or_else(|p| p.into_inner());
+            pool.entry(self.capacity).or_default().push(self.ptr);
+        }
+    }
+}
+
+impl Inner {
+    fn new(ordinal: usize) -> Result<Inner> {
+        init_driver()?;
+        let available = result::device::get_count().map_err(|e| driver("Device::cuda", e))? as usize;
+        if ordinal >= available {
+            return Err(Error::NoDevice { ordinal, available });
+        }
+        let op = "Device::cuda";
+        let dev = result::device::get(ordinal as i32).map_err(|e| driver(op, e))?;
+        let name = result::device::get_name(dev).map_err(|e| driver(op, e))?;
+        let attr = |a| {
+            // SAFETY: dev is a valid device handle.
+            unsafe { result::device::get_attribute(dev, a) }.map_err(|e| driver(op, e))
+        };
+        use sys::CUdevice_attribute::*;
+        let compute_capability =
+            (attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?, attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?);
+        if compute_capability.0 < 8 {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!(
+                    "{name} has compute capability {}.{}; the kernels need 8.0 or newer \
+                     (bf16 conversions)",
+                    compute_capability.0, compute_capability.1
+                ),
+            });
+        }
+        let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        // SAFETY: retaining the primary context of a valid device; released in Drop.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| driver(op, e))?;
+        // SAFETY: ctx was just retained.
+        unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver(op, e))?;
+        CURRENT_CTX.with(|c| c.set(ctx));
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| driver(op, e))?;
+        // Keep freed memory in the pool instead of returning it to the OS after every
+        // synchronisation: allocation then costs microseconds, like PyTorch's caching allocator.
+        // SAFETY: dev is valid; the attribute takes a u64.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(dev).map_err(|e| driver(op, e))?;
+            let mut threshold: u64 = u64::MAX;
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut std::ffi::c_void,
+            )
+            .result()
+            .map_err(|e| driver(op, e))?;
+        }
+        let image = CString::new(ptx()).expect("PTX has no NUL bytes");
+        // SAFETY: `image` is a NUL-terminated PTX string; the driver copies what it needs.
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const _) }
+            .map_err(|e| Error::Driver { op: "loading the kernel module", message: format!("{e:?}") })?;
+        let mut kernels = Vec::new();
+        let mut by_name = HashMap::new();
+        for name in kernels_gpu::ptx_entries(ptx()).map(str::to_string) {
+            let cname = CString::new(name.clone()).expect("kernel names have no NUL bytes");
+            // SAFETY: module is loaded; the name is an entry of its PTX.
+            let func = unsafe { result::module::get_function(module, cname) }
+                .map_err(|_| Error::KernelNotFound { name: name.clone() })?;
+            let mut blocks = 0i32;
+            // SAFETY: func is valid; the out-pointer is a local.
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, func, 256, 0)
+                    .result()
+                    .map_err(|e| driver(op, e))?;
+            }
+            by_name.insert(name.clone(), kernels.len());
+            kernels.push(Kernel { name, func, blocks_per_sm_256: blocks.max(1) as u32 });
+        }
+        Ok(Inner {
+            ordinal,
+            name,
+            compute_capability,
+            sm_count,
+            ctx,
+            stream,
+            module,
+            kernels,
+            by_name,
+            last_launch: AtomicUsize::new(usize::MAX),
+            sync_each_launch: std::env::var("KERNELS_SYNC").is_ok_and(|v| v == "1"),
+            poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
+            pool: Mutex::new(HashMap::new()),
+        })
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: nothing uses these handles after the last Device clone is gone.
+        unsafe {
+            if result::ctx::set_current(self.ctx).is_ok() {
+                let pool = std::mem::take(self.pool.get_mut().unwrap_or_else(|p| p.into_inner()));
+                for p in pool.into_values().flatten() {
+                    let _ = result::free_async(p, self.stream);
+                }
+                let _ = result::stream::synchronize(self.stream);
+                let _ = result::stream::destroy(self.stream);
+                let _ = result::module::unload(self.module);
+                if let Ok(dev) = result::device::get(self.ordinal as i32) {
+                    let _ = result::primary_ctx::release(dev);
+                }
+            }
+        }
+    }
+}

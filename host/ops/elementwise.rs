@@ -1,0 +1,493 @@
+//! Element-wise operations (host side of `kernels-gpu/src/elementwise.rs`): unary math and
+//! activations, binary ops, ops against a row broadcast along the last dimension, and the fused
+//! `act(x * scale + bias)`; each forward and backward, out-of-place, in place and into `out`.
+
+use super::{check_same_device, check_same_dtype, check_same_shape, row_matches, with_elem};
+use crate::error::{Error, Result};
+use crate::launch;
+use crate::tensor::Tensor;
+use kernels_gpu::elementwise::{
+    BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
+    colsum_finish_kernel,
+};
+use kernels_gpu::ops::{Activation as ActKernel, Binary, Unary};
+use kernels_gpu::{DType, Elem};
+
+/// An activation, usable alone ([`unary`]) or fused ([`scale_bias_act`]). Matches PyTorch's
+/// definitions, including `approximate="tanh"` GELU and softplus's `beta` and `threshold`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    Identity,
+    Relu,
+    LeakyRelu {
+        negative_slope: f32,
+    },
+    Sigmoid,
+    Tanh,
+    /// `x * Phi(x)` with the exact normal CDF (erf form).
+    Gelu,
+    /// PyTorch's `gelu(x, approximate="tanh")`.
+    GeluTanh,
+    /// `x * sigmoid(x)`, also called Swish.
+    Silu,
+    /// `x * tanh(softplus(x))`.
+    Mish,
+    /// `log(1 + exp(beta * x)) / beta`, and `x` where `beta * x > threshold`.
+    Softplus {
+        beta: f32,
+        threshold: f32,
+    },
+}
+
+impl Activation {
+    /// PyTorch's defaults: `negative_slope = 0.01`.
+    pub const LEAKY_RELU: Activation = Activation::LeakyRelu { negative_slope: 0.01 };
+    /// PyTorch's defaults: `beta = 1`, `threshold = 20`.
+    pub const SOFTPLUS: Activation = Activation::Softplus { beta: 1.0, threshold: 20.0 };
+
+    /// The kernel-side op and its two scalar parameters.
+    pub fn kernel(self) -> (ActKernel, f32, f32) {
+        match self {
+            Activation::Identity => (ActKernel::Identity, 0.0, 0.0),
+            Activation::Relu => (ActKernel::Relu, 0.0, 0.0),
+            Activation::LeakyRelu { negative_slope } => (ActKernel::LeakyRelu, negative_slope, 0.0),
+            Activation::Sigmoid => (ActKernel::Sigmoid, 0.0, 0.0),
+            Activation::Tanh => (ActKernel::Tanh, 0.0, 0.0),
+            Activation::Gelu => (ActKernel::GeluErf, 0.0, 0.0),
+            Activation::GeluTanh => (ActKernel::GeluTanh, 0.0, 0.0),
+            Activation::Silu => (ActKernel::Silu, 0.0, 0.0),
+            Activation::Mish => (ActKernel::Mish, 0.0, 0.0),
+            Activation::Softplus { beta, threshold } => (ActKernel::Softplus, beta, threshold),
+        }
+    }
+
+    fn validate(self, op: &'static str) -> Result<()> {
+        if let Activation::Softplus { beta, threshold } = self
+            && (beta == 0.0 || !beta.is_finite() || threshold.is_nan())
+        {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("softplus needs a finite non-zero beta and a threshold, got {beta}, {threshold}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A unary op: math, arithmetic with a scalar, or an activation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Expm1,
+    Log1p,
+    Erf,
+    Sqrt,
+    Rsqrt,
+    /// `x ^ p`.
+    Pow(f32),
+    /// `min(max(x, min), max)`, NaN propagated.
+    Clamp {
+        min: f32,
+        max: f32,
+    },
+    AddScalar(f32),
+    SubScalar(f32),
+    MulScalar(f32),
+    DivScalar(f32),
+    Act(Activation),
+}
+
+impl From<Activation> for UnaryOp {
+    fn from(a: Activation) -> Self {
+        UnaryOp::Act(a)
+    }
+}
+
+impl UnaryOp {
+    /// The kernel-side op and its two scalar parameters.
+    pub fn kernel(self) -> (Unary, f32, f32) {
+        match self {
+            UnaryOp::Neg => (Unary::Neg, 0.0, 0.0),
+            UnaryOp::Abs => (Unary::Abs, 0.0, 0.0),
+            UnaryOp::Exp => (Unary::Exp, 0.0, 0.0),
+            UnaryOp::Log => (Unary::Log, 0.0, 0.0),
+            UnaryOp::Expm1 => (Unary::Expm1, 0.0, 0.0),
+            UnaryOp::Log1p => (Unary::Log1p, 0.0, 0.0),
+            UnaryOp::Erf => (Unary::Erf, 0.0, 0.0),
+            UnaryOp::Sqrt => (Unary::Sqrt, 0.0, 0.0),
+            UnaryOp::Rsqrt => (Unary::Rsqrt, 0.0, 0.0),
+            UnaryOp::Pow(p) => (Unary::Pow, p, 0.0),
+            UnaryOp::Clamp { min, max } => (Unary::Clamp, min, max),
+            UnaryOp::AddScalar(s) => (Unary::AddScalar, s, 0.0),
+            UnaryOp::SubScalar(s) => (Unary::SubScalar, s, 0.0),
+            UnaryOp::MulScalar(s) => (Unary::MulScalar, s, 0.0),
+            UnaryOp::DivScalar(s) => (Unary::DivScalar, s, 0.0),
+            UnaryOp::Act(a) => {
+                let (k, a, b) = a.kernel();
+                (act_as_unary(k), a, b)
+            }
+        }
+    }
+
+    fn validate(self, op: &'static str) -> Result<()> {
+        match self {
+            UnaryOp::Act(a) => a.validate(op),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The unary kernel of an activation (activations are also unary ops, under the same stem).
+fn act_as_unary(a: ActKernel) -> Unary {
+    let u = Unary::ALL.iter().find(|u| u.stem() == a.stem());
+    *u.expect("every activation is in the unary list (checked by a test)")
+}
+
+/// A binary op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+impl BinaryOp {
+    /// The kernel-side op.
+    pub fn kernel(self) -> Binary {
+        match self {
+            BinaryOp::Add => Binary::Add,
+            BinaryOp::Sub => Binary::Sub,
+            BinaryOp::Mul => Binary::Mul,
+            BinaryOp::Div => Binary::Div,
+        }
+    }
+}
+
+/// Grid of an element-wise kernel over `x`; `unrolled` for the kernels built on `grid_stride`
+/// (unary and binary), not for the row-broadcast ones (one vector per thread per round).
+fn grid_1d(x: &Tensor, kernel: &str, unrolled: bool) -> Result<Option<crate::device::LaunchConfig>> {
+    let dev = x.device();
+    let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
+    let unroll = if unrolled { kernels_gpu::elementwise::unroll(x.dtype()) as u64 } else { 1 };
+    Ok(launch::elementwise(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
+}
+
+// --- unary --------------------------------------------------------------------------------------
+
+/// `op(x)`, element-wise.
+pub fn unary(x: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
+    let mut out = x.alloc_like("unary")?;
+    unary_out(x, op, &mut out)?;
+    Ok(out)
+}
+
+/// `op(x)` into `out` (same shape and dtype).
+pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result<()> {
+    let op = op.into();
+    let name = "unary_out";
+    op.validate(name)?;
+    check_same_device(name, x, out)?;
+    check_same_dtype(name, x, out)?;
+    check_same_shape(name, x, out, "output")?;
+    let (k, a, b) = op.kernel();
+    let kernel = k.fwd(x.dtype());
+    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
+    let n = x.numel() as u64;
+    with_elem!(x.dtype(), |T| {
+        let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut(), n, a, b);
+        // SAFETY: x and out hold n elements of T on this device (checked above).
+        unsafe { x.device().launch(kernel, cfg, args) }
+    })
+}
+
+/// `op(x)` in place.
+pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
+    let op = op.into();
+    op.validate("unary_")?;
+    let (k, a, b) = op.kernel();
+    let kernel = k.fwd(x.dtype());
+    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
+    let n = x.numel() as u64;
+    with_elem!(x.dtype(), |T| {
+        let p = x.dev_ptr_mut::<T>();
+        let args: UnaryFwdArgs<T> = (p as *const T, p, n, a, b);
+        // SAFETY: x holds n elements; each is read before it is written, by the same thread.
+        unsafe { x.device().launch(kernel, cfg, args) }
+    })
+}
+
+/// Gradient of `op` at `x`: `op'(x) * grad` (the exact derivative, not an approximation).
+pub fn unary_backward(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
+    let op = op.into();
+    let name = "unary_backward";
+    op.validate(name)?;
+    check_same_device(name, x, grad)?;
+    check_same_dtype(name, x, grad)?;
+    check_same_shape(name, x, grad, "grad must have the input's shape")?;
+    let mut gx = x.alloc_like(name)?;
+    let (k, a, b) = op.kernel();
+    let kernel = k.bwd(x.dtype());
+    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(gx) };
+    let n = x.numel() as u64;
+    with_elem!(x.dtype(), |T| {
+        let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), n, a, b);
+        // SAFETY: all three hold n elements of T on this device.
+        unsafe { x.device().launch(kernel, cfg, args) }
+    })?;
+    Ok(gx)
+}
+
+// --- binary -------------------------------------------------------------------------------------
+
+fn check_binary(name: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    check_same_device(name, a, b)?;
+    check_same_dtype(name, a, b)?;
+    check_same_shape(name, a, b, "operands must have one shape; use binary_row for a broadcast row")
+}
+
+/// `a op b`, element-wise, same shapes.
+pub fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    check_binary("binary", a, b)?;
+    let mut out = a.alloc_like("binary")?;
+    binary_out(a, b, op, &mut out)?;
+    Ok(out)
+}
+
+/// `a op b` into `out`.
+pub fn binary_out(a: &Tensor, b: &Tensor, op: BinaryOp, out: &mut Tensor) -> Result<()> {
+    let name = "binary_out";
+    check_binary(name, a, b)?;
+    check_binary(name, a, out)?;
+    launch_binary(a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>() as u64, op)
+}
+
+/// `a = a op b`.
+pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
+    check_binary("binary_", a, b)?;
+    let p = a.dev_ptr_mut::<u8>() as u64;
+    launch_binary(p, b, p, op)
+}
+
+fn launch_binary(a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
+    let kernel = op.kernel().fwd(b.dtype());
+    let Some(cfg) = grid_1d(b, kernel, true)? else { return Ok(()) };
+    let n = b.numel() as u64;
+    with_elem!(b.dtype(), |T| {
+        let args: BinaryFwdArgs<T> = (a as *const T, b.dev_ptr(), out as *mut T, n);
+        // SAFETY: the callers checked that a and out have b's shape, dtype and device.
+        unsafe { b.device().launch(kernel, cfg, args) }
+    })
+}
+
+/// Gradients of `a op b` given the output gradient: `(grad_a, grad_b)`.
+pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> Result<(Tensor, Tensor)> {
+    let name = "binary_backward";
+    check_binary(name, a, b)?;
+    check_binary(name, a, grad)?;
+    let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
+    let kernel = op.kernel().bwd(a.dtype());
+    if let Some(cfg) = grid_1d(a, kernel, true)? {
+        let n = a.numel() as u64;
+        with_elem!(a.dtype(), |T| {
+            let args: BinaryBwdArgs<T> =
+                (a.dev_ptr(), b.dev_ptr(), grad.dev_ptr(), ga.dev_ptr_mut(), gb.dev_ptr_mut(), n);
+            // SAFETY: all five hold n elements of T on this device.
+            unsafe { a.device().launch(kernel, cfg, args) }
+        })?;
+    }
+    Ok((ga, gb))
+}
+
+// --- against a row broadcast along the last dimension ------------------------------------------
+
+fn check_row(name: &'static str, x: &Tensor, row: &Tensor, what: &'static str) -> Result<()> {
+    check_same_device(name, x, row)?;
+    check_same_dtype(name, x, row)?;
+    row_matches(name, x.shape(), row.shape(), what)
+}
+
+/// `x op row`, with `row` (shape `[x.last_dim()]`) broadcast over the other dimensions: e.g.
+/// adding a bias.
+pub fn binary_row(x: &Tensor, row: &Tensor, op: BinaryOp) -> Result<Tensor> {
+    check_row("binary_row", x, row, "the row must match the last dimension")?;
+    let mut out = x.alloc_like("binary_row")?;
+    let p = out.dev_ptr_mut::<u8>() as u64;
+    launch_row_fwd(x, x.dev_ptr_u64(), row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)?;
+    Ok(out)
+}
+
+/// `x = x op row`, in place.
+pub fn binary_row_(x: &mut Tensor, row: &Tensor, op: BinaryOp) -> Result<()> {
+    check_row("binary_row_", x, row, "the row must match the last dimension")?;
+    let p = x.dev_ptr_mut::<u8>() as u64;
+    launch_row_fwd(x, p, row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)
+}
+
+/// Gradients of `x op row`: `(grad_x, grad_row)`, `grad_row` summed over all rows
+/// (deterministically: the same inputs give the same bits).
+pub fn binary_row_backward(x: &Tensor, row: &Tensor, grad: &Tensor, op: BinaryOp) -> Result<(Tensor, Tensor)> {
+    let name = "binary_row_backward";
+    check_row(name, x, row, "the row must match the last dimension")?;
+    check_binary(name, x, grad)?;
+    let (gx, mut grads) = launch_row_bwd(name, x, row, None, grad, op.kernel().row_bwd(x.dtype()), 1, 0.0, 0.0)?;
+    Ok((gx, grads.remove(0)))
+}
+
+/// `act(x * scale + bias)` in one pass, with `scale` and `bias` of shape `[x.last_dim()]`
+/// broadcast over the rows: what PyTorch runs as three kernels (`mul`, `add`, the activation).
+pub fn scale_bias_act(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
+    let name = "scale_bias_act";
+    let mut out = x.alloc_like(name)?;
+    let p = out.dev_ptr_mut::<u8>() as u64;
+    scale_bias_act_impl(name, x, x.dev_ptr_u64(), scale, bias, act, p)?;
+    Ok(out)
+}
+
+/// `x = act(x * scale + bias)`, in place.
+pub fn scale_bias_act_(x: &mut Tensor, scale: &Tensor, bias: &Tensor, act: Activation) -> Result<()> {
+    let p = x.dev_ptr_mut::<u8>() as u64;
+    scale_bias_act_impl("scale_bias_act_", x, p, scale, bias, act, p)
+}
+
+fn scale_bias_act_impl(
+    name: &'static str,
+    x: &Tensor,
+    xp: u64,
+    scale: &Tensor,
+    bias: &Tensor,
+    act: Activation,
+    out: u64,
+) -> Result<()> {
+    act.validate(name)?;
+    check_row(name, x, scale, "scale must match the last dimension")?;
+    check_row(name, x, bias, "bias must match the last dimension")?;
+    let (k, a, b) = act.kernel();
+    launch_row_fwd(x, xp, scale, Some(bias), out, k.fwd(x.dtype()), a, b)
+}
+
+/// Gradients of `act(x * scale + bias)`.
+pub struct ScaleBiasActGrads {
+    pub x: Tensor,
+    pub scale: Tensor,
+    pub bias: Tensor,
+}
+
+/// Backward of [`scale_bias_act`] in one pass over `x` and `grad` (recomputing the
+/// pre-activation), plus a small deterministic reduction for the scale and bias gradients.
+pub fn scale_bias_act_backward(
+    x: &Tensor,
+    scale: &Tensor,
+    bias: &Tensor,
+    grad: &Tensor,
+    act: Activation,
+) -> Result<ScaleBiasActGrads> {
+    let name = "scale_bias_act_backward";
+    act.validate(name)?;
+    check_row(name, x, scale, "scale must match the last dimension")?;
+    check_row(name, x, bias, "bias must match the last dimension")?;
+    check_binary(name, x, grad)?;
+    let (k, a, b) = act.kernel();
+    let (gx, mut g) = launch_row_bwd(name, x, scale, Some(bias), grad, k.bwd(x.dtype()), 2, a, b)?;
+    let gbias = g.pop().expect("two accumulators");
+    let gscale = g.pop().expect("two accumulators");
+    Ok(ScaleBiasActGrads { x: gx, scale: gscale, bias: gbias })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_row_fwd(
+    x: &Tensor,
+    xp: u64,
+    p0: &Tensor,
+    p1: Option<&Tensor>,
+    out: u64,
+    kernel: &'static str,
+    a: f32,
+    b: f32,
+) -> Result<()> {
+    let Some(cfg) = grid_1d(x, kernel, false)? else { return Ok(()) };
+    let (n, cols) = (x.numel() as u64, x.last_dim() as u64);
+    let p1 = p1.map_or(0, |t| t.dev_ptr_u64());
+    with_elem!(x.dtype(), |T| {
+        let args: RowFwdArgs<T> = (xp as *const T, p0.dev_ptr(), p1 as *const T, out as *mut T, n, cols, a, b);
+        // SAFETY: x and out hold n elements, p0 and p1 (if used) `cols`, checked by callers.
+        unsafe { x.device().launch(kernel, cfg, args) }
+    })
+}
+
+/// Runs a row-broadcast backward kernel and the finishing column sums. Returns grad_x and the
+/// `n_acc` parameter gradients (each of shape `[cols]`).
+#[allow(clippy::too_many_arguments)]
+fn launch_row_bwd(
+    name: &'static str,
+    x: &Tensor,
+    p0: &Tensor,
+    p1: Option<&Tensor>,
+    grad: &Tensor,
+    kernel: &'static str,
+    n_acc: usize,
+    a: f32,
+    b: f32,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let dev = x.device();
+    let cols = x.last_dim() as u64;
+    let rows = (x.numel() as u64).checked_div(cols).unwrap_or(0);
+    let mut gx = x.alloc_like(name)?;
+    let mut grads = Vec::with_capacity(n_acc);
+    let Some((cfg, chunks)) = launch::col_reduce(rows, cols, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
+        // No rows: the parameter gradients are sums of nothing.
+        for _ in 0..n_acc {
+            grads.push(Tensor::zeros(dev, &[cols as usize], x.dtype())?);
+        }
+        return Ok((gx, grads));
+    };
+    let mut partial = Tensor::alloc(name, dev, &[n_acc, chunks as usize, cols as usize], DType::F32)?;
+    let p1 = p1.map_or(0, |t| t.dev_ptr_u64());
+    with_elem!(x.dtype(), |T| {
+        let args: RowBwdArgs<T> = (
+            x.dev_ptr(),
+            p0.dev_ptr(),
+            p1 as *const T,
+            grad.dev_ptr(),
+            gx.dev_ptr_mut(),
+            partial.dev_ptr_mut(),
+            rows,
+            cols,
+            a,
+            b,
+        );
+        // SAFETY: x, grad and gx hold rows * cols elements, p0 and p1 (if used) cols, partial
+        // n_acc * chunks * cols floats with chunks = grid.y.
+        unsafe { dev.launch(kernel, cfg, args) }
+    })?;
+    let finish = colsum_finish_kernel(x.dtype());
+    let fcfg = launch::one_per_thread(cols).expect("cols > 0");
+    for k in 0..n_acc {
+        let mut g = Tensor::alloc(name, dev, &[cols as usize], x.dtype())?;
+        let part = partial.dev_ptr_u64() + (k as u64 * chunks as u64 * cols * 4);
+        with_elem!(x.dtype(), |T| {
+            let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut(), chunks as u64, cols);
+            // SAFETY: `part` is the k-th [chunks, cols] block of partial; g holds cols elements.
+            unsafe { dev.launch(finish, fcfg, args) }
+        })?;
+        grads.push(g);
+    }
+    // `partial` is freed stream-ordered after the finishing kernels.
+    drop(partial);
+    Ok((gx, grads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_activation_is_a_unary_op() {
+        for a in ActKernel::ALL {
+            assert_eq!(act_as_unary(*a).stem(), a.stem());
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! `Tensor`: a contiguous, row-major array in device memory with a shape and a dtype.
+
+use crate::DType;
+use crate::device::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+
+/// Host element types and their [`DType`]: `f32`, `half::f16`, `half::bf16`.
+pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// A tensor on a GPU. Owns its memory; `try_clone` copies it. Operations on one device run in
+/// issue order on its stream; reading back (`to_vec`) waits for them.
+pub struct Tensor {
+    buf: DeviceBuffer,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:?}, {:?}, cuda:{})", self.shape, self.dtype, self.device().ordinal())
+    }
+}
+
+/// Number of elements of `shape`, or an error if it overflows.
+pub(crate) fn numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("shape {shape:?} has more elements than fit in usize"),
+    })
+}
+
+impl Tensor {
+    /// A tensor whose contents are unspecified (whatever the memory held).
+    pub fn empty(dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Self::alloc("Tensor::empty", dev, shape, dtype)
+    }
+
+    pub(crate) fn alloc(op: &'static str, dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n = numel(op, shape)?;
+        let bytes = n.checked_mul(dtype.size()).ok_or_else(|| Error::InvalidArgument {
+            op,
+            message: format!("shape {shape:?} of {dtype:?} is too large"),
+        })?;
+        Ok(Tensor { buf: dev.alloc(op, bytes)?, shape: shape.to_vec(), dtype })
+    }
+
+    /// An uninitialised tensor of the same shape, dtype and device as `self`.
+    pub(crate) fn alloc_like(&self, op: &'static str) -> Result<Tensor> {
+        Self::alloc(op, self.device(), &self.shape, self.dtype)
+    }
+
+    /// Copies `data` (row-major, `shape`'s element count) to the device.
+    pub fn from_slice<T: Element>(dev: &Device, data: &[T], shape: &[usize]) -> Result<Tensor> {
+        let op = "Tensor::from_slice";
+        let n = numel(op, shape)?;
+        if n != data.len() {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("shape {shape:?} holds {n} elements but the slice has {}", data.len()),
+            });
+        }
+        let mut t = Self::alloc(op, dev, shape, T::DTYPE)?;
+        t.buf.copy_from_host(data)?;
+        Ok(t)
+    }
+
+    /// Copies `data` (f32 values) to the device, rounding to `dtype` on the host.
+    pub fn from_f32(dev: &Device, data: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
+        match dtype {
+            DType::F32 => Self::from_slice(dev, data, shape),
+            DType::F16 => Self::from_slice(dev, &data.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), shape),
+            DType::BF16 => Self::from_slice(dev, &data.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), shape),
+        }
+    }
+
+    /// All zeros (a memset; +0.0 in every dtype).
+    pub fn zeros(dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let mut t = Self::alloc("Tensor::zeros", dev, shape, dtype)?;
+        t.buf.memset(0)?;
+        Ok(t)
+    }
+
+    /// Every element `value`, rounded to `dtype`.
+    pub fn full(dev: &Device, shape: &[usize], dtype: DType, value: f32) -> Result<Tensor> {
+        let mut t = Self::alloc("Tensor::full", dev, shape, dtype)?;
+        t.fill_(value)?;
+        Ok(t)
+    }
+
+    /// Uniform random values on `[lo, hi)` (before rounding to `dtype`), generated on the device
+    /// by Philox4x32-10 from `seed`: the same seed gives the same tensor on any GPU.
+    pub fn rand_uniform(dev: &Device, shape: &[usize], dtype: DType, lo: f32, hi: f32, seed: u64) -> Result<Tensor> {
+        let op = "Tensor::rand_uniform";
+        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+            return Err(Error::InvalidArgument { op, message: format!("need finite lo <= hi, got [{lo}, {hi})") });
+        }
+        let mut t = Self::alloc(op, dev, shape, dtype)?;
+        crate::ops::init::random(&mut t, crate::ops::init::Distribution::Uniform, seed, lo, hi)?;
+        Ok(t)
+    }
+
+    /// Normal random values with `mean` and standard deviation `std`, generated on the device
+    /// (Philox4x32-10 and Box-Muller) from `seed`.
+    pub fn rand_normal(dev: &Device, shape: &[usize], dtype: DType, mean: f32, std: f32, seed: u64) -> Result<Tensor> {
+        let op = "Tensor::rand_normal";
+        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("need finite mean and std >= 0, got {mean}, {std}"),
+            });
+        }
+        let mut t = Self::alloc(op, dev, shape, dtype)?;
+        crate::ops::init::random(&mut t, crate::ops::init::Distribution::Normal, seed, mean, std)?;
+        Ok(t)
+    }
+
+    /// Sets every element to `value` (rounded to the dtype).
+    pub fn fill_(&mut self, value: f32) -> Result<()> {
+        crate::ops::init::fill(self, value)
+    }
+
+    /// Copies the tensor back; `T` must match the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch { op: "Tensor::to_vec", expected: self.dtype, got: T::DTYPE });
+        }
+        let mut v = vec![T::from_f32(0.0); self.numel()];
+        self.buf.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// Copies the tensor back, widening f16/bf16 to f32 (exact).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        match self.dtype {
+            DType::F32 => self.to_vec::<f32>(),
+            DType::F16 => Ok(self.to_vec::<f16>()?.into_iter().map(f16::to_f32).collect()),
+            DType::BF16 => Ok(self.to_vec::<bf16>()?.into_iter().map(bf16::to_f32).collect()),
+        }
+    }
+
+    /// A copy in new device memory.
+    pub fn try_clone(&self) -> Result<Tensor> {
+        let mut t = self.alloc_like("Tensor::try_clone")?;
+        self.buf.copy_to(&mut t.buf)?;
+        Ok(t)
+    }
+
+    /// The same data with another shape of the same element count (no copy).
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
+        let n = numel("Tensor::reshape", shape)?;
+        if n != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::reshape",
+                expected: self.shape.clone(),
+                got: shape.to_vec(),
+                detail: "element counts differ",
+            });
+        }
+        Ok(Tensor { shape: shape.to_vec(), ..self })
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> &Device {
+        self.buf.device()
+    }
+    pub fn numel(&self) -> usize {
+        self.buf.bytes() / self.dtype.size()
+    }
+    /// Size in bytes.
+    pub fn size_bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+    /// The last dimension (1 for a scalar tensor of shape `[]`).
+    pub fn last_dim(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    /// Device address of the first element, typed for a kernel parameter.
+    pub(crate) fn dev_ptr<T>(&self) -> *const T {
+        self.buf.ptr() as *const T
+    }
+    /// Device address of the first element, as a number (for offsets into the buffer).
+    pub(crate) fn dev_ptr_u64(&self) -> u64 {
+        self.buf.ptr()
+    }
+    /// Device address of the first element, for a parameter the kernel writes. Taking `&mut self`
+    /// makes the borrow checker see the write.
+    pub(crate) fn dev_ptr_mut<T>(&mut self) -> *mut T {
+        self.buf.ptr() as *mut T
+    }
+}

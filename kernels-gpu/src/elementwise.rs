@@ -1,0 +1,518 @@
+//! Element-wise kernels: unary ops and activations (forward and backward), binary ops on two
+//! tensors, and ops against a row broadcast along the last dimension (bias, per-channel scale),
+//! including the fused `act(x * scale + bias)`.
+//!
+//! Memory pattern: these are bound by HBM bandwidth (a few flops per 4-12 bytes moved), so each
+//! thread moves 16 bytes per access (`ld.global.nc.v4` / `st.global.v4`), consecutive threads
+//! touch consecutive vectors (a warp moves 512 contiguous bytes per instruction), and a
+//! grid-stride loop sized by the host to a few waves of resident blocks keeps enough loads in
+//! flight without launching millions of blocks. The elements past the last whole vector are
+//! done one per thread. Pointers come from whole allocations, so 16-byte alignment holds.
+//!
+//! Column reductions (the bias gradient) are two-stage and deterministic: a 2-D grid of
+//! `32 x 8`-thread blocks, each summing a strip of rows for 32 adjacent columns into
+//! `partial[chunk, col]` in a fixed order, then `colsum_finish` adds the chunks in order.
+
+use crate::dtype::Elem;
+#[cfg(target_arch = "nvptx64")]
+use crate::dtype::for_lanes;
+#[cfg(target_arch = "nvptx64")]
+use crate::ops::{BinaryFn, UnaryFn};
+
+/// `y[i] = op(x[i]; a, b)` for `i < n`. `y == x` is allowed (in place).
+pub type UnaryFwdArgs<T> = (*const T, *mut T, u64, f32, f32);
+/// `gx[i] = op'(x[i]; a, b) * g[i]` for `i < n`. `gx` may alias `g`.
+pub type UnaryBwdArgs<T> = (*const T, *const T, *mut T, u64, f32, f32);
+/// `out[i] = x[i] op y[i]`. `out` may alias `x` or `y`.
+pub type BinaryFwdArgs<T> = (*const T, *const T, *mut T, u64);
+/// `(gx[i], gy[i]) = op'(x[i], y[i]) * g[i]`.
+pub type BinaryBwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut T, u64);
+/// Row-broadcast forward over a `[n / cols, cols]` matrix: `(x, p0, p1, y, n, cols, a, b)`.
+/// Binary ops: `y = x op p0[col]` (`p1` unused, may be null). Fused:
+/// `y = act(x * p0[col] + p1[col]; a, b)`. `y` may alias `x`.
+pub type RowFwdArgs<T> = (*const T, *const T, *const T, *mut T, u64, u64, f32, f32);
+/// Row-broadcast backward: `(x, p0, p1, g, gx, partial, rows, cols, a, b)`. Writes `gx` and the
+/// per-chunk column sums of the parameter gradients into `partial` (f32,
+/// `[n_acc][grid.y][cols]`, `n_acc` = 1 for binary ops (d/dp0), 2 for fused (d/dscale, d/dbias)).
+pub type RowBwdArgs<T> = (*const T, *const T, *const T, *const T, *mut T, *mut f32, u64, u64, f32, f32);
+/// `out[c] = sum over k < chunks of partial[k * cols + c]`, in order of k.
+pub type ColsumFinishArgs<T> = (*const f32, *mut T, u64, u64);
+
+/// Name of the `colsum_finish` kernel for `dt`.
+pub const fn colsum_finish_kernel(dt: crate::DType) -> &'static str {
+    crate::kernel_name!("colsum_finish", dt)
+}
+
+/// Threads per block of the 1-D element-wise kernels.
+pub const BLOCK: u32 = 256;
+/// Vectors each thread loads before it computes (see `grid_stride`): 16 elements per thread,
+/// i.e. four f32 vectors or two of f16/bf16 (four of those need twice the registers, and GELU's
+/// backward then ran at 1 block of 256 threads per SM).
+pub const fn unroll(dt: crate::DType) -> usize {
+    match dt {
+        crate::DType::F32 => 4,
+        crate::DType::F16 | crate::DType::BF16 => 2,
+    }
+}
+/// Block shape of the column-reduction kernels: 32 columns by `ROWS_PER_BLOCK` row lanes.
+pub const COL_BLOCK_X: u32 = 32;
+pub const COL_BLOCK_Y: u32 = 8;
+
+/// Elements per 16-byte vector of `T`, for the host's grid sizing.
+pub const fn vec_width<T: Elem>() -> u64 {
+    T::VEC as u64
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    use super::*;
+    use crate::prim::*;
+
+    /// Grid-stride loop over the whole 16-byte vectors of an `n`-element tensor, `unroll(T)`
+    /// vectors per thread per round: `load(off)` for all of them first, then `finish(off, data)`
+    /// for each (`off` = the vector's first element). Issuing the loads together keeps
+    /// `unroll * 16` bytes per thread in flight instead of 16, which is what it takes to cover
+    /// HBM latency at full bandwidth. Then `one(i)` for each element of the tail, one per thread.
+    #[inline(always)]
+    unsafe fn grid_stride<T: Elem, L: Copy>(
+        n: u64,
+        load: impl Fn(usize) -> L,
+        mut finish: impl FnMut(usize, L),
+        mut one: impl FnMut(usize),
+    ) {
+        let w = T::VEC as u64;
+        let nv = n / w;
+        let stride = grid_threads_x();
+        let mut i = global_thread_x();
+        // Written out rather than as an array of `L`: an array indexed in a loop the compiler does
+        // not fully unroll lands in local memory (a stack frame in the ptxas report).
+        if unroll(T::DTYPE) == 4 {
+            while i + 3 * stride < nv {
+                let o = [i * w, (i + stride) * w, (i + 2 * stride) * w, (i + 3 * stride) * w];
+                let (d0, d1, d2, d3) =
+                    (load(o[0] as usize), load(o[1] as usize), load(o[2] as usize), load(o[3] as usize));
+                finish(o[0] as usize, d0);
+                finish(o[1] as usize, d1);
+                finish(o[2] as usize, d2);
+                finish(o[3] as usize, d3);
+                i += 4 * stride;
+            }
+        } else {
+            while i + stride < nv {
+                let o = [i * w, (i + stride) * w];
+                let (d0, d1) = (load(o[0] as usize), load(o[1] as usize));
+                finish(o[0] as usize, d0);
+                finish(o[1] as usize, d1);
+                i += 2 * stride;
+            }
+        }
+        while i < nv {
+            finish((i * w) as usize, load((i * w) as usize));
+            i += stride;
+        }
+        let t = nv * w + global_thread_x();
+        if t < n {
+            one(t as usize);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
+        // SAFETY: callers pass a whole vector inside the tensor; allocations are 16-byte aligned.
+        // In place, the coherent path: `.nc` must not read memory the launch writes.
+        unsafe {
+            let raw = if in_place { ld_global_v4(p as *const u32) } else { ld_global_nc_v4(p as *const u32) };
+            T::unpack(raw)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store<T: Elem>(p: *mut T, v: &[f32; 8]) {
+        // SAFETY: as `load`.
+        unsafe { st_global_v4(p as *mut u32, T::pack(v)) }
+    }
+
+    // SAFETY (all four kernels below): the host passes tensors of `n` elements; `grid_stride`
+    // hands out offsets of whole vectors below `n` and tail indices below `n`.
+
+    pub unsafe fn unary_fwd<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
+        let in_place = x as u64 == y as u64;
+        unsafe {
+            grid_stride::<T, _>(
+                n,
+                #[inline(always)]
+                |o| load(x.add(o), in_place),
+                #[inline(always)]
+                |o, mut v| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = O::fwd(v[k], a, b),
+                    );
+                    store(y.add(o), &v);
+                },
+                #[inline(always)]
+                |i| *y.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), a, b)),
+            )
+        }
+    }
+
+    pub unsafe fn unary_bwd<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
+        let in_place = g as u64 == gx as u64;
+        unsafe {
+            grid_stride::<T, _>(
+                n,
+                #[inline(always)]
+                |o| (load(x.add(o), false), load(g.add(o), in_place)),
+                #[inline(always)]
+                |o, (vx, mut vg)| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = O::bwd(vx[k], vg[k], a, b),
+                    );
+                    store(gx.add(o), &vg);
+                },
+                #[inline(always)]
+                |i| *gx.add(i) = T::from_f32(O::bwd((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
+            )
+        }
+    }
+
+    pub unsafe fn binary_fwd<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, n: u64) {
+        let in_place = x as u64 == out as u64 || y as u64 == out as u64;
+        unsafe {
+            grid_stride::<T, _>(
+                n,
+                #[inline(always)]
+                |o| (load(x.add(o), in_place), load(y.add(o), in_place)),
+                #[inline(always)]
+                |o, (mut vx, vy)| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vx[k] = O::fwd(vx[k], vy[k]),
+                    );
+                    store(out.add(o), &vx);
+                },
+                #[inline(always)]
+                |i| *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())),
+            )
+        }
+    }
+
+    pub unsafe fn binary_bwd<T: Elem, O: BinaryFn>(
+        x: *const T,
+        y: *const T,
+        g: *const T,
+        gx: *mut T,
+        gy: *mut T,
+        n: u64,
+    ) {
+        unsafe {
+            grid_stride::<T, _>(
+                n,
+                #[inline(always)]
+                |o| (load(x.add(o), false), load(y.add(o), false), load(g.add(o), false)),
+                #[inline(always)]
+                |o, (vx, vy, vg)| {
+                    let (mut rx, mut ry) = ([0.0; 8], [0.0; 8]);
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| (rx[k], ry[k]) = O::bwd(vx[k], vy[k], vg[k]),
+                    );
+                    store(gx.add(o), &rx);
+                    store(gy.add(o), &ry);
+                },
+                #[inline(always)]
+                |i| {
+                    let (a, b) = O::bwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32(), (*g.add(i)).to_f32());
+                    *gx.add(i) = T::from_f32(a);
+                    *gy.add(i) = T::from_f32(b);
+                },
+            )
+        }
+    }
+
+    /// How a row-broadcast op uses its per-column parameters.
+    pub trait RowOp {
+        fn fwd(x: f32, p0: f32, p1: f32, a: f32, b: f32) -> f32;
+        /// (dL/dx, first accumulator, second accumulator).
+        fn bwd(x: f32, p0: f32, p1: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32);
+        /// Whether `p1` is read (null for binary ops).
+        const USES_P1: bool;
+        /// Accumulators written to `partial`.
+        const N_ACC: usize;
+    }
+
+    /// `x op p0[col]`.
+    pub struct BiasBinary<O>(core::marker::PhantomData<O>);
+    impl<O: BinaryFn> RowOp for BiasBinary<O> {
+        #[inline(always)]
+        fn fwd(x: f32, p0: f32, _: f32, _: f32, _: f32) -> f32 {
+            O::fwd(x, p0)
+        }
+        #[inline(always)]
+        fn bwd(x: f32, p0: f32, _: f32, g: f32, _: f32, _: f32) -> (f32, f32, f32) {
+            let (gx, gp) = O::bwd(x, p0, g);
+            (gx, gp, 0.0)
+        }
+        const USES_P1: bool = false;
+        const N_ACC: usize = 1;
+    }
+
+    /// `act(x * p0[col] + p1[col])`; accumulates d/dscale = dz * x and d/dbias = dz.
+    pub struct ScaleBiasAct<A>(core::marker::PhantomData<A>);
+    impl<A: UnaryFn> RowOp for ScaleBiasAct<A> {
+        #[inline(always)]
+        fn fwd(x: f32, s: f32, t: f32, a: f32, b: f32) -> f32 {
+            A::fwd(crate::math::fma(x, s, t), a, b)
+        }
+        #[inline(always)]
+        fn bwd(x: f32, s: f32, t: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32) {
+            let dz = A::bwd(crate::math::fma(x, s, t), g, a, b);
+            (dz * s, dz * x, dz)
+        }
+        const USES_P1: bool = true;
+        const N_ACC: usize = 2;
+    }
+
+    #[inline(always)]
+    unsafe fn param<T: Elem>(p: *const T, c: u64, used: bool) -> f32 {
+        // SAFETY: `c < cols`, the parameter vectors' length; `used` is false only for null `p`.
+        if used { unsafe { (*p.add(c as usize)).to_f32() } } else { 0.0 }
+    }
+
+    /// Loads the `VEC` parameters of columns `c .. c + VEC` (contiguous, `c` a multiple of
+    /// `VEC`) with one 16-byte load; zeros when `used` is false (null pointer).
+    #[inline(always)]
+    unsafe fn param_vec<T: Elem>(p: *const T, c: u64, used: bool) -> [f32; 8] {
+        // SAFETY: c + VEC <= cols and c is a multiple of VEC, so the vector is inside the
+        // (16-byte aligned) parameter buffer.
+        if used { unsafe { load(p.add(c as usize), false) } } else { [0.0; 8] }
+    }
+
+    pub unsafe fn row_fwd<T: Elem, R: RowOp>(
+        x: *const T,
+        p0: *const T,
+        p1: *const T,
+        y: *mut T,
+        n: u64,
+        cols: u64,
+        a: f32,
+        b: f32,
+    ) {
+        let in_place = x as u64 == y as u64;
+        let w = T::VEC as u64;
+        let nv = n / w;
+        let stride = grid_threads_x();
+        let mut i = global_thread_x();
+        // The column of each vector's first element, advanced incrementally: a 64-bit remainder
+        // costs tens of instructions, too many per 16 bytes at full bandwidth.
+        let step = (stride * w) % cols.max(1);
+        let mut c0 = if cols == 0 { 0 } else { (i * w) % cols };
+        // When rows are whole vectors, a vector's columns are contiguous and its parameters are
+        // two 16-byte loads (the common case: a last dimension that is a multiple of 4 or 8).
+        let aligned = cols % w == 0;
+        while i < nv {
+            let o = (i * w) as usize;
+            // SAFETY: vector i lies inside x and y; parameters are indexed below cols.
+            unsafe {
+                let mut v = load(x.add(o), in_place);
+                if aligned {
+                    let (s, t) = (param_vec(p0, c0, true), param_vec(p1, c0, R::USES_P1));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = R::fwd(v[k], s[k], t[k], a, b),
+                    );
+                } else {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| {
+                            let c = c0 + k as u64;
+                            let c = if c < cols { c } else { c % cols };
+                            let (s, t) = (param(p0, c, true), param(p1, c, R::USES_P1));
+                            v[k] = R::fwd(v[k], s, t, a, b);
+                        },
+                    );
+                }
+                store(y.add(o), &v);
+            }
+            i += stride;
+            c0 += step;
+            if c0 >= cols {
+                c0 -= cols;
+            }
+        }
+        let t = nv * w + global_thread_x();
+        if t < n {
+            let c = t % cols;
+            // SAFETY: t < n; c < cols.
+            unsafe {
+                let (s, tt) = (param(p0, c, true), param(p1, c, R::USES_P1));
+                let t = t as usize;
+                *y.add(t) = T::from_f32(R::fwd((*x.add(t)).to_f32(), s, tt, a, b));
+            }
+        }
+    }
+
+    pub unsafe fn row_bwd<T: Elem, R: RowOp>(
+        x: *const T,
+        p0: *const T,
+        p1: *const T,
+        g: *const T,
+        gx: *mut T,
+        partial: *mut f32,
+        rows: u64,
+        cols: u64,
+        a: f32,
+        b: f32,
+    ) {
+        let (tx, ty) = (thread_idx_x(), thread_idx_y());
+        let col = block_idx_x() as u64 * COL_BLOCK_X as u64 + tx as u64;
+        let chunks = grid_dim_y() as u64;
+        let (mut acc0, mut acc1) = (0.0f32, 0.0f32);
+        if col < cols {
+            let (s, t) = unsafe { (param(p0, col, true), param(p1, col, R::USES_P1)) };
+            let step = chunks * COL_BLOCK_Y as u64;
+            let mut r = block_idx_y() as u64 * COL_BLOCK_Y as u64 + ty as u64;
+            let mut one = #[inline(always)]
+            |i: usize, xv: f32, gv: f32| {
+                let (dx, d0, d1) = R::bwd(xv, s, t, gv, a, b);
+                // SAFETY: i < rows * cols, gx's length (callers index rows below `rows`).
+                unsafe { *gx.add(i) = T::from_f32(dx) };
+                acc0 += d0;
+                acc1 += d1;
+            };
+            // Four rows per round, loads first: four independent loads of x and of g in flight
+            // per thread instead of one (the same reason as `grid_stride`'s unrolling).
+            while r + 3 * step < rows {
+                let i = [r, r + step, r + 2 * step, r + 3 * step].map(|r| (r * cols + col) as usize);
+                // SAFETY: every row index is below rows and col < cols.
+                let (x0, x1, x2, x3, g0, g1, g2, g3) = unsafe {
+                    (
+                        (*x.add(i[0])).to_f32(),
+                        (*x.add(i[1])).to_f32(),
+                        (*x.add(i[2])).to_f32(),
+                        (*x.add(i[3])).to_f32(),
+                        (*g.add(i[0])).to_f32(),
+                        (*g.add(i[1])).to_f32(),
+                        (*g.add(i[2])).to_f32(),
+                        (*g.add(i[3])).to_f32(),
+                    )
+                };
+                one(i[0], x0, g0);
+                one(i[1], x1, g1);
+                one(i[2], x2, g2);
+                one(i[3], x3, g3);
+                r += 4 * step;
+            }
+            while r < rows {
+                let i = (r * cols + col) as usize;
+                // SAFETY: r < rows and col < cols, so i < rows * cols, the tensors' length.
+                let (xv, gv) = unsafe { ((*x.add(i)).to_f32(), (*g.add(i)).to_f32()) };
+                one(i, xv, gv);
+                r += step;
+            }
+        }
+        // Reduce the 8 row lanes of each column through shared memory, in a fixed order.
+        let smem = dyn_smem::<f32>();
+        let lanes = (COL_BLOCK_X * COL_BLOCK_Y) as usize;
+        let me = (ty * COL_BLOCK_X + tx) as usize;
+        // SAFETY: the host launches with 2 * 256 * 4 bytes of dynamic shared memory.
+        unsafe {
+            *smem.add(me) = acc0;
+            *smem.add(lanes + me) = acc1;
+        }
+        sync_threads();
+        if ty == 0 && col < cols {
+            let (mut s0, mut s1) = (0.0f32, 0.0f32);
+            for l in 0..COL_BLOCK_Y {
+                let j = (l * COL_BLOCK_X + tx) as usize;
+                // SAFETY: j < lanes.
+                unsafe {
+                    s0 += *smem.add(j);
+                    s1 += *smem.add(lanes + j);
+                }
+            }
+            let k = block_idx_y() as u64;
+            // SAFETY: partial holds N_ACC * chunks * cols floats (host-checked).
+            unsafe {
+                *partial.add((k * cols + col) as usize) = s0;
+                if R::N_ACC > 1 {
+                    *partial.add(((chunks + k) * cols + col) as usize) = s1;
+                }
+            }
+        }
+    }
+
+    pub unsafe fn colsum_finish<T: Elem>(partial: *const f32, out: *mut T, chunks: u64, cols: u64) {
+        let c = global_thread_x();
+        if c < cols {
+            let mut s = 0.0f32;
+            for k in 0..chunks {
+                // SAFETY: k < chunks, c < cols.
+                s += unsafe { *partial.add((k * cols + c) as usize) };
+            }
+            // SAFETY: c < cols = out's length.
+            unsafe { *out.add(c as usize) = T::from_f32(s) };
+        }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+pub use device::*;
+
+// --- the kernels: one per (op, dtype), named `<op>_<kind>_<dtype>` -----------------------------
+
+macro_rules! unary_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(unary_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
+                unary_fwd::<$T, crate::ops::$O>(x, y, n, a, b));
+            $crate::kernel!([<$op _bwd_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
+                unary_bwd::<$T, crate::ops::$O>(x, g, gx, n, a, b));
+        }
+    };
+}
+crate::unary_list!(unary_kernels);
+
+macro_rules! binary_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(binary_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_ $sfx>]: BinaryFwdArgs<$T> = |x, y, out, n|
+                binary_fwd::<$T, crate::ops::$O>(x, y, out, n));
+            $crate::kernel!([<$op _bwd_ $sfx>]: BinaryBwdArgs<$T> = |x, y, g, gx, gy, n|
+                binary_bwd::<$T, crate::ops::$O>(x, y, g, gx, gy, n));
+            $crate::kernel!([<$op _row_fwd_ $sfx>]: RowFwdArgs<$T> = |x, p0, p1, y, n, cols, a, b|
+                row_fwd::<$T, BiasBinary<crate::ops::$O>>(x, p0, p1, y, n, cols, a, b));
+            $crate::kernel!([<$op _row_bwd_ $sfx>]: RowBwdArgs<$T> =
+                |x, p0, p1, g, gx, partial, rows, cols, a, b|
+                row_bwd::<$T, BiasBinary<crate::ops::$O>>(x, p0, p1, g, gx, partial, rows, cols, a, b));
+        }
+    };
+}
+crate::binary_list!(binary_kernels);
+
+macro_rules! fused_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(fused_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<scale_bias_ $op _fwd_ $sfx>]: RowFwdArgs<$T> = |x, p0, p1, y, n, cols, a, b|
+                row_fwd::<$T, ScaleBiasAct<crate::ops::$O>>(x, p0, p1, y, n, cols, a, b));
+            $crate::kernel!([<scale_bias_ $op _bwd_ $sfx>]: RowBwdArgs<$T> =
+                |x, p0, p1, g, gx, partial, rows, cols, a, b|
+                row_bwd::<$T, ScaleBiasAct<crate::ops::$O>>(x, p0, p1, g, gx, partial, rows, cols, a, b));
+        }
+    };
+}
+crate::activation_list!(fused_kernels);
+
+macro_rules! colsum_kernels {
+    ($T:ty, $sfx:ident) => {
+        paste::paste! {
+            $crate::kernel!([<colsum_finish_ $sfx>]: ColsumFinishArgs<$T> = |partial, out, chunks, cols|
+                colsum_finish::<$T>(partial, out, chunks, cols));
+        }
+    };
+}
+crate::for_each_elem!(colsum_kernels);

@@ -1,0 +1,159 @@
+//! Filling tensors: constants and seeded random numbers generated on the device.
+//!
+//! Random numbers come from Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as
+//! 1, 2, 3", SC'11), a counter-based generator: element `i` of a tensor is a pure function of
+//! `(seed, i)`, so the result does not depend on the launch configuration and the CPU can
+//! recompute any element exactly (the tests do).
+
+/// `(y, n, value)`: `y[i] = value` rounded to `T`.
+pub type FillArgs<T> = (*mut T, u64, f32);
+/// `(y, n, seed_lo, seed_hi, p, q)`: uniform on `[p, q)` or normal with mean `p`, std `q`.
+pub type RandomArgs<T> = (*mut T, u64, u32, u32, f32, f32);
+
+/// Name of the `fill` kernel for `dt`.
+pub const fn fill_kernel(dt: crate::DType) -> &'static str {
+    crate::kernel_name!("fill", dt)
+}
+/// Name of the uniform kernel for `dt`.
+pub const fn uniform_kernel(dt: crate::DType) -> &'static str {
+    crate::kernel_name!("uniform", dt)
+}
+/// Name of the normal kernel for `dt`.
+pub const fn normal_kernel(dt: crate::DType) -> &'static str {
+    crate::kernel_name!("normal", dt)
+}
+
+const PHILOX_M0: u32 = 0xD251_1F53;
+const PHILOX_M1: u32 = 0xCD9E_8D57;
+const PHILOX_W0: u32 = 0x9E37_79B9;
+const PHILOX_W1: u32 = 0xBB67_AE85;
+
+#[inline(always)]
+fn mulhilo(a: u32, b: u32) -> (u32, u32) {
+    let p = a as u64 * b as u64;
+    ((p >> 32) as u32, p as u32)
+}
+
+/// Philox4x32 with 10 rounds: four independent 32-bit words for the 128-bit counter `ctr`.
+#[inline(always)]
+pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    let (mut c, mut k) = (ctr, key);
+    for _ in 0..10 {
+        let (hi0, lo0) = mulhilo(PHILOX_M0, c[0]);
+        let (hi1, lo1) = mulhilo(PHILOX_M1, c[2]);
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
+        k = [k[0].wrapping_add(PHILOX_W0), k[1].wrapping_add(PHILOX_W1)];
+    }
+    c
+}
+
+/// The four random words for elements `4j .. 4j + 4`.
+#[inline(always)]
+pub fn random_words(seed: u64, j: u64) -> [u32; 4] {
+    philox4x32_10([j as u32, (j >> 32) as u32, 0, 0], [seed as u32, (seed >> 32) as u32])
+}
+
+/// `w[k]` for `k < 4` by selects: indexing a register array with a run-time index would move the
+/// array to local memory on the GPU.
+#[inline(always)]
+fn pick(w: [u32; 4], k: u64) -> u32 {
+    match k {
+        0 => w[0],
+        1 => w[1],
+        2 => w[2],
+        _ => w[3],
+    }
+}
+
+/// A uniform float in `[0, 1)` from the top 24 bits: every value is a multiple of 2^-24.
+#[inline(always)]
+pub fn unit_uniform(w: u32) -> f32 {
+    (w >> 8) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// Element `i` of a uniform tensor on `[lo, hi)`, before rounding to the storage type.
+#[inline(always)]
+pub fn uniform_at(seed: u64, i: u64, lo: f32, hi: f32) -> f32 {
+    let w = pick(random_words(seed, i / 4), i % 4);
+    crate::math::fma(unit_uniform(w), hi - lo, lo)
+}
+
+/// Elements `2m` and `2m + 1` of a standard normal tensor (Box-Muller on one pair of words).
+/// `u1` lies in `(0, 1]`, so the logarithm is finite.
+#[inline(always)]
+pub fn normal_pair(seed: u64, m: u64) -> (f32, f32) {
+    let w = random_words(seed, m / 2);
+    let (w1, w2) = if m.is_multiple_of(2) { (w[0], w[1]) } else { (w[2], w[3]) };
+    let u1 = ((w1 >> 8) + 1) as f32 * (1.0 / 16_777_216.0);
+    let u2 = unit_uniform(w2);
+    let r = crate::math::sqrt(-2.0 * crate::math::log(u1));
+    let t = 2.0 * u2;
+    (r * crate::math::cospi(t), r * crate::math::sinpi(t))
+}
+
+/// Element `i` of a normal tensor with the given mean and standard deviation.
+#[inline(always)]
+pub fn normal_at(seed: u64, i: u64, mean: f32, std: f32) -> f32 {
+    let (z0, z1) = normal_pair(seed, i / 2);
+    crate::math::fma(if i.is_multiple_of(2) { z0 } else { z1 }, std, mean)
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    use super::*;
+    use crate::dtype::Elem;
+    use crate::prim::*;
+
+    /// Each thread writes whole 16-byte vectors; the tail one element per thread.
+    #[inline(always)]
+    unsafe fn fill_with<T: Elem>(y: *mut T, n: u64, f: impl Fn(u64) -> f32) {
+        let w = T::VEC as u64;
+        let nv = n / w;
+        let mut i = global_thread_x();
+        while i < nv {
+            let mut v = [0.0f32; 8];
+            crate::dtype::for_lanes::<T>(
+                #[inline(always)]
+                |k| v[k] = f(i * w + k as u64),
+            );
+            // SAFETY: vector i lies inside y; allocations are 16-byte aligned.
+            unsafe { st_global_v4(y.add((i * w) as usize) as *mut u32, T::pack(&v)) };
+            i += grid_threads_x();
+        }
+        let t = nv * w + global_thread_x();
+        if t < n {
+            // SAFETY: t < n.
+            unsafe { *y.add(t as usize) = T::from_f32(f(t)) };
+        }
+    }
+
+    pub unsafe fn fill<T: Elem>(y: *mut T, n: u64, value: f32) {
+        unsafe { fill_with(y, n, |_| value) }
+    }
+
+    pub unsafe fn uniform<T: Elem>(y: *mut T, n: u64, s0: u32, s1: u32, lo: f32, hi: f32) {
+        let seed = s0 as u64 | (s1 as u64) << 32;
+        unsafe { fill_with(y, n, |i| uniform_at(seed, i, lo, hi)) }
+    }
+
+    pub unsafe fn normal<T: Elem>(y: *mut T, n: u64, s0: u32, s1: u32, mean: f32, std: f32) {
+        let seed = s0 as u64 | (s1 as u64) << 32;
+        unsafe { fill_with(y, n, |i| normal_at(seed, i, mean, std)) }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+pub use device::*;
+
+macro_rules! init_kernels {
+    ($T:ty, $sfx:ident) => {
+        paste::paste! {
+            $crate::kernel!([<fill_ $sfx>]: FillArgs<$T> = |y, n, v| fill::<$T>(y, n, v));
+            $crate::kernel!([<uniform_ $sfx>]: RandomArgs<$T> = |y, n, s0, s1, lo, hi|
+                uniform::<$T>(y, n, s0, s1, lo, hi));
+            $crate::kernel!([<normal_ $sfx>]: RandomArgs<$T> = |y, n, s0, s1, m, s|
+                normal::<$T>(y, n, s0, s1, m, s));
+        }
+    };
+}
+crate::for_each_elem!(init_kernels);

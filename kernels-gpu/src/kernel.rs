@@ -1,0 +1,122 @@
+//! Kernel signatures, declared once for both sides.
+//!
+//! Every kernel family names its parameter list as a tuple type, e.g.
+//! `pub type UnaryArgs<T> = (*const T, *mut T, u64, f32, f32);`. On the device, [`kernel!`]
+//! derives the `extern "ptx-kernel"` parameter list from that tuple (position by position), so a
+//! kernel cannot take anything else. On the host, a launch takes a value of the same tuple type
+//! ([`KernelArgs`]), so the host cannot pass anything else either: changing the alias breaks
+//! whichever side was not updated, at compile time.
+//!
+//! Pointer parameters on the host are device addresses cast to `*const T` / `*mut T`; they are
+//! never dereferenced there.
+
+/// The element-wise projection of a parameter tuple: `P0` is the first parameter's type, etc.
+pub trait Params {
+    /// Number of parameters.
+    const ARITY: usize;
+    type P0;
+    type P1;
+    type P2;
+    type P3;
+    type P4;
+    type P5;
+    type P6;
+    type P7;
+    type P8;
+    type P9;
+}
+
+/// A parameter tuple the host can hand to `cuLaunchKernel`.
+///
+/// # Safety
+/// `param_ptrs` must return one pointer per tuple field, in order, each pointing at that field.
+pub unsafe trait KernelArgs: Params {
+    /// Pointers to each field, as `cuLaunchKernel`'s `kernelParams` wants them. The pointers are
+    /// valid while `self` is borrowed.
+    fn param_ptrs(&self) -> [*mut core::ffi::c_void; 10];
+}
+
+/// Parameter types: all plain `Copy` values whose layout matches the PTX `.param` of the same
+/// size (pointers and `u64` are `.u64`, `u32`/`i32`/`f32` are 4 bytes).
+pub trait Param: Copy {}
+impl<T> Param for *const T {}
+impl<T> Param for *mut T {}
+impl Param for u64 {}
+impl Param for u32 {}
+impl Param for i32 {}
+impl Param for f32 {}
+
+/// Stands in for the unused positions of [`Params`].
+pub enum Unused {}
+
+macro_rules! impl_params {
+    ($n:expr; $($T:ident $i:tt),*; $($U:ident),*) => {
+        impl<$($T: Param),*> Params for ($($T,)*) {
+            const ARITY: usize = $n;
+            impl_params!(@assoc [$($T)*] [$($U)*] [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9]);
+        }
+        unsafe impl<$($T: Param),*> KernelArgs for ($($T,)*) {
+            #[allow(unused_mut)]
+            fn param_ptrs(&self) -> [*mut core::ffi::c_void; 10] {
+                let mut p = [core::ptr::null_mut(); 10];
+                $( p[$i] = (&self.$i) as *const $T as *mut core::ffi::c_void; )*
+                p
+            }
+        }
+    };
+    (@assoc [$T:ident $($Tr:ident)*] [$($U:ident)*] [$P:ident $($Pr:ident)*]) => {
+        type $P = $T;
+        impl_params!(@assoc [$($Tr)*] [$($U)*] [$($Pr)*]);
+    };
+    (@assoc [] [$($U:ident)*] [$P:ident $($Pr:ident)*]) => {
+        type $P = Unused;
+        impl_params!(@assoc [] [$($U)*] [$($Pr)*]);
+    };
+    (@assoc [] [$($U:ident)*] []) => {};
+}
+
+impl_params!(1; A 0; );
+impl_params!(2; A 0, B 1; );
+impl_params!(3; A 0, B 1, C 2; );
+impl_params!(4; A 0, B 1, C 2, D 3; );
+impl_params!(5; A 0, B 1, C 2, D 3, E 4; );
+impl_params!(6; A 0, B 1, C 2, D 3, E 4, F 5; );
+impl_params!(7; A 0, B 1, C 2, D 3, E 4, F 5, G 6; );
+impl_params!(8; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7; );
+impl_params!(9; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8; );
+impl_params!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9; );
+
+/// Defines a kernel whose parameter list is the tuple type `$args`.
+///
+/// ```ignore
+/// kernel!(relu_fwd_f32: UnaryArgs<f32> = |x, y, n, a, b| unary_fwd::<f32, Relu>(x, y, n, a, b));
+/// ```
+/// On nvptx64 this is `#[no_mangle] pub unsafe extern "ptx-kernel" fn relu_fwd_f32(x: P0, ...)`;
+/// on the host it expands to nothing (the host refers to kernels by name and by `$args`).
+/// Naming fewer or more parameters than the tuple has is a compile error.
+#[macro_export]
+macro_rules! kernel {
+    ($name:ident : $args:ty = |$($p:ident),* $(,)?| $body:expr) => {
+        $crate::kernel!(@zip $name; $args; $body; [];
+            [$($p)*]; [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9]);
+        const _: () = assert!(
+            <$args as $crate::kernel::Params>::ARITY == [$(stringify!($p)),*].len(),
+            concat!("kernel `", stringify!($name), "` names a different number of parameters than its signature")
+        );
+    };
+    (@zip $name:ident; $args:ty; $body:expr; [$($done:tt)*];
+        [$p:ident $($pr:ident)*]; [$P:ident $($Pr:ident)*]) => {
+        $crate::kernel!(@zip $name; $args; $body;
+            [$($done)* $p: <$args as $crate::kernel::Params>::$P,]; [$($pr)*]; [$($Pr)*]);
+    };
+    (@zip $name:ident; $args:ty; $body:expr; [$($done:tt)*]; []; [$($Pr:ident)*]) => {
+        #[cfg(target_arch = "nvptx64")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name($($done)*) {
+            // SAFETY: the host launches this kernel only through `launch` with a value of
+            // `$args`, whose pointers it has checked against the tensors' lengths.
+            #[allow(unused_unsafe)]
+            unsafe { $body }
+        }
+    };
+}

@@ -1,0 +1,43 @@
+//! The device crate: every kernel of the library, in `no_std` Rust.
+//!
+//! Compiled twice. For `nvptx64-nvidia-cuda` (by the root `build.rs`) it becomes the PTX module
+//! that the host loads; for the host it is an ordinary rlib that exports what both sides must
+//! agree on: each kernel family's parameter list ([`kernel`]), the op definitions ([`ops`]) and
+//! the math ([`math`]), so the CPU tests run the very code the GPU runs.
+//!
+//! Layout: [`prim`] holds every device primitive (indices, barriers, shuffles, shared memory,
+//! 16-byte loads and stores, conversions); each other module is one kernel family.
+#![no_std]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
+#![feature(core_float_math)]
+// `#[inline(always)]` on closures: the per-vector bodies passed to the loop helpers must be inlined
+// (an outlined closure gets its captures through local memory).
+#![cfg_attr(target_arch = "nvptx64", feature(stmt_expr_attributes))]
+
+pub mod dtype;
+pub mod elementwise;
+pub mod fastmath;
+pub mod init;
+pub mod kernel;
+pub mod math;
+pub mod mathprobe;
+pub mod ops;
+#[cfg(target_arch = "nvptx64")]
+pub mod prim;
+
+pub use dtype::{BF16, DType, Elem, F16};
+
+/// The kernel entry points of a PTX module (its `.visible .entry` names), in order.
+pub fn ptx_entries(ptx: &str) -> impl Iterator<Item = &str> {
+    ptx.lines()
+        .filter_map(|l| l.trim_start().strip_prefix(".visible .entry "))
+        .map(|l| l.split('(').next().unwrap_or(l).trim())
+}
+
+/// Kernels never panic by design (no indexing that can fail, no unwrap); should a bounds check
+/// or overflow check survive, it stops the kernel and the host reports a launch failure.
+#[cfg(target_arch = "nvptx64")]
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    prim::trap()
+}

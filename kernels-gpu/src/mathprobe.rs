@@ -1,0 +1,75 @@
+//! Evaluates one math function over a buffer of f32 inputs, so the accuracy of [`crate::math`]
+//! can be measured on the GPU itself (the same code is measured on the CPU by
+//! `kernels-gpu/tests/math_accuracy.rs`; the GPU test checks that the device agrees).
+
+/// `(x, y, n, which)`: `y[i] = f(x[i])` with `f` chosen by `which` ([`MathFn`] as u32).
+pub type MathProbeArgs = (*const f32, *mut f32, u64, u32);
+
+/// The functions the probe evaluates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum MathFn {
+    Exp = 0,
+    Expm1 = 1,
+    Log = 2,
+    Log1p = 3,
+    Tanh = 4,
+    Erf = 5,
+    Sinpi = 6,
+    Cospi = 7,
+    Sqrt = 8,
+}
+
+impl MathFn {
+    pub const ALL: [MathFn; 9] = [
+        MathFn::Exp,
+        MathFn::Expm1,
+        MathFn::Log,
+        MathFn::Log1p,
+        MathFn::Tanh,
+        MathFn::Erf,
+        MathFn::Sinpi,
+        MathFn::Cospi,
+        MathFn::Sqrt,
+    ];
+
+    /// The function as the kernels call it (`crate::fastmath`: on the CPU, `crate::math`).
+    #[inline(always)]
+    pub fn eval(self, x: f32) -> f32 {
+        use crate::fastmath as m;
+        match self {
+            MathFn::Exp => m::exp(x),
+            MathFn::Expm1 => m::expm1(x),
+            MathFn::Log => m::log(x),
+            MathFn::Log1p => m::log1p(x),
+            MathFn::Tanh => m::tanh(x),
+            MathFn::Erf => m::erf(x),
+            MathFn::Sinpi => m::sinpi(x),
+            MathFn::Cospi => m::cospi(x),
+            MathFn::Sqrt => m::sqrt(x),
+        }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+unsafe fn probe(x: *const f32, y: *mut f32, n: u64, which: u32) {
+    let f = match which {
+        0 => MathFn::Exp,
+        1 => MathFn::Expm1,
+        2 => MathFn::Log,
+        3 => MathFn::Log1p,
+        4 => MathFn::Tanh,
+        5 => MathFn::Erf,
+        6 => MathFn::Sinpi,
+        7 => MathFn::Cospi,
+        _ => MathFn::Sqrt,
+    };
+    let mut i = crate::prim::global_thread_x();
+    while i < n {
+        // SAFETY: i < n, the length of both buffers.
+        unsafe { *y.add(i as usize) = f.eval(*x.add(i as usize)) };
+        i += crate::prim::grid_threads_x();
+    }
+}
+
+crate::kernel!(math_probe_f32: MathProbeArgs = |x, y, n, which| probe(x, y, n, which));

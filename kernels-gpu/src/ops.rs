@@ -1,0 +1,330 @@
+//! The math of each element-wise op: forward and exact backward, in f32, one zero-sized type per
+//! op. Kernels are generic over these; the host tests run the same functions on the CPU.
+//!
+//! Conventions follow PyTorch, including at NaN, infinities and kinks (relu'(0) = 0, clamp's
+//! gradient passes at the bounds, GELU's derivative is PyTorch's formula, so it is NaN at ±inf
+//! exactly like PyTorch's).
+
+use crate::fastmath as math;
+
+/// An element-wise op with up to two scalar parameters `a`, `b`.
+pub trait UnaryFn {
+    fn fwd(x: f32, a: f32, b: f32) -> f32;
+    /// d/dx of `fwd`, times the incoming gradient `g`.
+    fn bwd(x: f32, g: f32, a: f32, b: f32) -> f32;
+}
+
+/// A binary op on two tensors of one shape (or a tensor and a broadcast row).
+pub trait BinaryFn {
+    fn fwd(x: f32, y: f32) -> f32;
+    /// (dL/dx, dL/dy) given dL/dout = g.
+    fn bwd(x: f32, y: f32, g: f32) -> (f32, f32);
+}
+
+#[inline(always)]
+fn abs(x: f32) -> f32 {
+    f32::from_bits(x.to_bits() & 0x7fff_ffff)
+}
+
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + math::exp(-x))
+}
+
+macro_rules! unary {
+    ($(#[$m:meta])* $name:ident, |$x:ident, $a:ident, $b:ident| $fwd:expr, |$gx:ident, $g:ident, $ga:ident, $gb:ident| $bwd:expr) => {
+        $(#[$m])*
+        pub struct $name;
+        impl UnaryFn for $name {
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn fwd($x: f32, $a: f32, $b: f32) -> f32 {
+                $fwd
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn bwd($gx: f32, $g: f32, $ga: f32, $gb: f32) -> f32 {
+                $bwd
+            }
+        }
+    };
+}
+
+// --- arithmetic with a scalar -----------------------------------------------------------------
+unary!(Neg, |x, a, b| -x, |x, g, a, b| -g);
+unary!(AddScalar, |x, a, b| x + a, |x, g, a, b| g);
+unary!(SubScalar, |x, a, b| x - a, |x, g, a, b| g);
+unary!(MulScalar, |x, a, b| x * a, |x, g, a, b| g * a);
+unary!(DivScalar, |x, a, b| x / a, |x, g, a, b| g / a);
+
+// --- math ---------------------------------------------------------------------------------------
+// d|x|/dx = sgn(x), with sgn(0) = 0 and sgn(NaN) = NaN, as torch.sgn.
+unary!(Abs, |x, a, b| abs(x), |x, g, a, b| {
+    let s = if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else if x == 0.0 {
+        0.0
+    } else {
+        x
+    };
+    g * s
+});
+unary!(Exp, |x, a, b| math::exp(x), |x, g, a, b| g * math::exp(x));
+unary!(Log, |x, a, b| math::log(x), |x, g, a, b| g / x);
+unary!(Expm1, |x, a, b| math::expm1(x), |x, g, a, b| g * math::exp(x));
+unary!(Log1p, |x, a, b| math::log1p(x), |x, g, a, b| g / (1.0 + x));
+// d erf/dx = 2/sqrt(pi) exp(-x^2)
+unary!(Erf, |x, a, b| math::erf(x), |x, g, a, b| g * FRAC_2_SQRT_PI * math::exp(-x * x));
+const FRAC_2_SQRT_PI: f32 = core::f32::consts::FRAC_2_SQRT_PI;
+unary!(Sqrt, |x, a, b| math::sqrt(x), |x, g, a, b| g / (2.0 * math::sqrt(x)));
+// 1/sqrt(x) from two correctly rounded operations: <= 1 ulp, unlike `rsqrt.approx`.
+// d/dx x^-1/2 = -1/2 r^3. Multiplied into g one factor of r at a time: the intermediates then
+// stay in range wherever the result is (r^3 alone overflows f32 for x < 2e-26).
+unary!(Rsqrt, |x, a, b| 1.0 / math::sqrt(x), |x, g, a, b| {
+    let r = 1.0 / math::sqrt(x);
+    -0.5 * (((g * r) * r) * r)
+});
+// PyTorch's pow_backward, grad * (p * x^(p - 1)), in its order; exponent 0 gives a zero gradient
+// even where x^-1 is infinite.
+unary!(Pow, |x, a, b| pow_scalar(x, a), |x, g, a, b| if a == 0.0 { 0.0 } else { g * (a * pow_scalar(x, a - 1.0)) });
+
+/// x^p with the exponents PyTorch also special-cases done by multiplication (the branch is
+/// uniform: p is a kernel parameter). x x and (x x) x are within 1 ulp and agree with C99 pow on
+/// zeros, infinities and NaN; everything else goes to the general `pow`.
+#[inline(always)]
+fn pow_scalar(x: f32, p: f32) -> f32 {
+    if p == 2.0 {
+        x * x
+    } else if p == 3.0 {
+        (x * x) * x
+    } else if p == 1.0 {
+        x
+    } else if p == -1.0 {
+        1.0 / x
+    } else {
+        math::pow(x, p)
+    }
+}
+// min(max(x, lo), hi) with NaN propagated; gradient passes on [lo, hi], bounds included.
+unary!(
+    Clamp,
+    |x, a, b| {
+        let y = if x < a { a } else { x };
+        if y > b { b } else { y }
+    },
+    |x, g, a, b| if x >= a && x <= b { g } else { 0.0 }
+);
+
+// --- activations ----------------------------------------------------------------------------------
+// relu(NaN) = NaN (the comparison is false); the gradient at 0 is 0, as threshold_backward.
+unary!(Relu, |x, a, b| if x <= 0.0 { 0.0 } else { x }, |x, g, a, b| if x <= 0.0 { 0.0 } else { g });
+unary!(LeakyRelu, |x, a, b| if x > 0.0 { x } else { x * a }, |x, g, a, b| if x > 0.0 { g } else { g * a });
+unary!(Sigmoid, |x, a, b| sigmoid(x), |x, g, a, b| {
+    let s = sigmoid(x);
+    g * s * (1.0 - s)
+});
+unary!(Tanh, |x, a, b| math::tanh(x), |x, g, a, b| {
+    let t = math::tanh(x);
+    g * (1.0 - t * t)
+});
+const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
+// 1/sqrt(2*pi)
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+unary!(GeluErf, |x, a, b| 0.5 * x * (1.0 + math::erf(x * FRAC_1_SQRT_2)), |x, g, a, b| {
+    let cdf = 0.5 * (1.0 + math::erf(x * FRAC_1_SQRT_2));
+    let pdf = FRAC_1_SQRT_2PI * math::exp(-0.5 * x * x);
+    g * (cdf + x * pdf)
+});
+// sqrt(2/pi) and the cubic coefficient of the tanh approximation, as PyTorch's kBeta, kKappa.
+const GELU_BETA: f32 = 0.797_884_6;
+const GELU_KAPPA: f32 = 0.044_715;
+unary!(
+    GeluTanh,
+    |x, a, b| {
+        let inner = GELU_BETA * (x + GELU_KAPPA * x * x * x);
+        0.5 * x * (1.0 + math::tanh(inner))
+    },
+    |x, g, a, b| {
+        let x2 = x * x;
+        let t = math::tanh(GELU_BETA * (x + GELU_KAPPA * x2 * x));
+        let left = 0.5 * x;
+        let right = 1.0 + t;
+        let d_right = left * (1.0 - t * t) * GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * x2);
+        g * (0.5 * right + d_right)
+    }
+);
+unary!(Silu, |x, a, b| x * sigmoid(x), |x, g, a, b| {
+    let s = sigmoid(x);
+    g * s * (1.0 + x * (1.0 - s))
+});
+// Mish: x tanh(softplus(x)), with tanh(log(1 + e)) = n / (n + 2), n = e (e + 2), e = e^x: one exp
+// and a division instead of exp, log1p and tanh. From x = 20, tanh(softplus(x)) and sigmoid(x)
+// are 1 in f32 (and n would overflow from 44); the backward there is g (1 + x * 0), which keeps
+// PyTorch's NaN at x = +inf (x sigmoid(x) (1 - t^2) = inf * 0).
+#[inline(always)]
+fn mish_parts(x: f32) -> (f32, f32) {
+    let e = math::exp(x);
+    let n = e * (e + 2.0);
+    (n / (n + 2.0), e / (1.0 + e))
+}
+unary!(Mish, |x, a, b| if x >= 20.0 { x } else { x * mish_parts(x).0 }, |x, g, a, b| {
+    if x >= 20.0 {
+        g * (1.0 + x * 0.0)
+    } else {
+        let (t, s) = mish_parts(x);
+        g * (t + x * s * (1.0 - t * t))
+    }
+});
+// softplus(x; beta = a, threshold = b): linear above the threshold, as PyTorch.
+unary!(
+    Softplus,
+    |x, a, b| {
+        let z = x * a;
+        if z > b { x } else { math::log1p(math::exp(z)) / a }
+    },
+    |x, g, a, b| {
+        let z = x * a;
+        if z > b {
+            g
+        } else {
+            let e = math::exp(z);
+            g * e / (e + 1.0)
+        }
+    }
+);
+unary!(Identity, |x, a, b| x, |x, g, a, b| g);
+
+// --- binary -------------------------------------------------------------------------------------
+macro_rules! binary {
+    ($name:ident, |$x:ident, $y:ident| $fwd:expr, |$bx:ident, $by:ident, $g:ident| $bwd:expr) => {
+        pub struct $name;
+        impl BinaryFn for $name {
+            #[inline(always)]
+            fn fwd($x: f32, $y: f32) -> f32 {
+                $fwd
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn bwd($bx: f32, $by: f32, $g: f32) -> (f32, f32) {
+                $bwd
+            }
+        }
+    };
+}
+binary!(Add, |x, y| x + y, |x, y, g| (g, g));
+binary!(Sub, |x, y| x - y, |x, y, g| (g, -g));
+binary!(Mul, |x, y| x * y, |x, y, g| (g * y, g * x));
+// d/dy as PyTorch orders it, -g * ((x / y) / y), so intermediates overflow where PyTorch's do.
+binary!(Div, |x, y| x / y, |x, y, g| (g / y, -g * ((x / y) / y)));
+
+/// The op lists. Each passes its whole list, `stem Type` pairs, to `$m!` in one invocation:
+/// the device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the host side
+/// gets the enums below and their kernel names from the same list, so the two cannot differ.
+#[macro_export]
+macro_rules! unary_list {
+    ($m:ident) => {
+        $m! {
+            neg Neg, add_scalar AddScalar, sub_scalar SubScalar, mul_scalar MulScalar,
+            div_scalar DivScalar, abs Abs, exp Exp, log Log, expm1 Expm1, log1p Log1p, erf Erf,
+            sqrt Sqrt, rsqrt Rsqrt, pow Pow, clamp Clamp,
+            identity Identity, relu Relu, leaky_relu LeakyRelu, sigmoid Sigmoid, tanh Tanh,
+            gelu GeluErf, gelu_tanh GeluTanh, silu Silu, mish Mish, softplus Softplus,
+        }
+    };
+}
+
+/// The activations: usable alone (they are also in [`unary_list`]) and inside the fused
+/// `act(x * scale + bias)`.
+#[macro_export]
+macro_rules! activation_list {
+    ($m:ident) => {
+        $m! {
+            identity Identity, relu Relu, leaky_relu LeakyRelu, sigmoid Sigmoid, tanh Tanh,
+            gelu GeluErf, gelu_tanh GeluTanh, silu Silu, mish Mish, softplus Softplus,
+        }
+    };
+}
+
+#[macro_export]
+macro_rules! binary_list {
+    ($m:ident) => {
+        $m! { add Add, sub Sub, mul Mul, div Div, }
+    };
+}
+
+macro_rules! op_enum {
+    ($(#[$m:meta])* $Enum:ident, $prefix:literal, [$($kind:ident)*]; $ops:tt) => {
+        op_enum!(@enum $(#[$m])* $Enum; $ops);
+        impl $Enum {
+            $( op_enum!(@kind $Enum, $prefix, $kind; $ops); )*
+        }
+    };
+    (@enum $(#[$m:meta])* $Enum:ident; [$($op:ident $O:ident),* $(,)?]) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum $Enum { $($O),* }
+        impl $Enum {
+            pub const ALL: &'static [$Enum] = &[$($Enum::$O),*];
+            /// The op's stem, as in the kernel names.
+            pub const fn stem(self) -> &'static str {
+                match self { $($Enum::$O => stringify!($op)),* }
+            }
+        }
+        op_enum!(@eval $Enum; $($O)*);
+    };
+    (@eval Binary; $($O:ident)*) => {
+        impl Binary {
+            /// The kernels' f32 forward, run here (the CPU tests use it).
+            pub fn fwd_f32(self, x: f32, y: f32) -> f32 {
+                match self { $(Binary::$O => <$O as BinaryFn>::fwd(x, y)),* }
+            }
+            /// The kernels' f32 backward, run here.
+            pub fn bwd_f32(self, x: f32, y: f32, g: f32) -> (f32, f32) {
+                match self { $(Binary::$O => <$O as BinaryFn>::bwd(x, y, g)),* }
+            }
+        }
+    };
+    (@eval $Enum:ident; $($O:ident)*) => {
+        impl $Enum {
+            /// The kernels' f32 forward, run here (the CPU tests use it).
+            pub fn fwd_f32(self, x: f32, a: f32, b: f32) -> f32 {
+                match self { $($Enum::$O => <$O as UnaryFn>::fwd(x, a, b)),* }
+            }
+            /// The kernels' f32 backward, run here.
+            pub fn bwd_f32(self, x: f32, g: f32, a: f32, b: f32) -> f32 {
+                match self { $($Enum::$O => <$O as UnaryFn>::bwd(x, g, a, b)),* }
+            }
+        }
+    };
+    (@kind $Enum:ident, $prefix:literal, $kind:ident; [$($op:ident $O:ident),* $(,)?]) => {
+        /// Kernel name of this kind for `dt`.
+        pub const fn $kind(self, dt: crate::DType) -> &'static str {
+            match self {
+                $($Enum::$O => crate::kernel_name!(concat!($prefix, stringify!($op), "_", stringify!($kind)), dt)),*
+            }
+        }
+    };
+}
+
+macro_rules! unary_enum {
+    ($($t:tt)*) => { op_enum!(
+        /// Every unary op (math and activations), as the kernels know it (parameters apart).
+        Unary, "", [fwd bwd]; [$($t)*]); };
+}
+unary_list!(unary_enum);
+
+macro_rules! activation_enum {
+    ($($t:tt)*) => { op_enum!(
+        /// The activations of the fused `act(x * scale + bias)` kernels (`scale_bias_<act>_*`).
+        Activation, "scale_bias_", [fwd bwd]; [$($t)*]); };
+}
+activation_list!(activation_enum);
+
+macro_rules! binary_enum {
+    ($($t:tt)*) => { op_enum!(
+        /// The binary ops, on two tensors (`fwd`, `bwd`) or against a row (`row_fwd`, `row_bwd`).
+        Binary, "", [fwd bwd row_fwd row_bwd]; [$($t)*]); };
+}
+binary_list!(binary_enum);

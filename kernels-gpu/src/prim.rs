@@ -1,0 +1,258 @@
+//! Device primitives: the only place in the crate with `asm!` and `core::arch::nvptx`.
+//!
+//! Kernels call these instead of writing PTX themselves, so each instruction's constraints
+//! (alignment, address space, which threads must participate) are written down once, here.
+#![cfg(target_arch = "nvptx64")]
+
+use core::arch::asm;
+use core::arch::nvptx;
+
+// ---------------------------------------------------------------------------------------------
+// Indices. Products are formed in 64 bits: grids over more than 2^31 elements are routine.
+
+#[inline(always)]
+pub fn thread_idx_x() -> u32 {
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+#[inline(always)]
+pub fn thread_idx_y() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_thread_idx_y() as u32 }
+}
+#[inline(always)]
+pub fn block_idx_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+#[inline(always)]
+pub fn block_idx_y() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_idx_y() as u32 }
+}
+#[inline(always)]
+pub fn block_dim_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_dim_x() as u32 }
+}
+#[inline(always)]
+pub fn block_dim_y() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_dim_y() as u32 }
+}
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+#[inline(always)]
+pub fn grid_dim_y() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_grid_dim_y() as u32 }
+}
+
+/// Global index of this thread in a 1-D launch.
+#[inline(always)]
+pub fn global_thread_x() -> u64 {
+    block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64
+}
+
+/// Number of threads in a 1-D launch: the step of a grid-stride loop.
+#[inline(always)]
+pub fn grid_threads_x() -> u64 {
+    grid_dim_x() as u64 * block_dim_x() as u64
+}
+
+// ---------------------------------------------------------------------------------------------
+// Barriers and warp exchange.
+
+/// `bar.sync 0`: every thread of the block must reach it (never call it under a divergent
+/// branch).
+#[inline(always)]
+pub fn sync_threads() {
+    // SAFETY: `bar.sync` has no memory preconditions; callers keep it convergent.
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// Butterfly exchange across the full warp. All 32 lanes must execute it (mask 0xffffffff).
+#[inline(always)]
+pub fn shfl_xor_f32(v: f32, lane_mask: u32) -> f32 {
+    let out: f32;
+    // SAFETY: `shfl.sync` with a full member mask; all callers run it warp-converged.
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, 0xffffffff;",
+             o = out(reg32) out, v = in(reg32) v, m = in(reg32) lane_mask,
+             options(nomem, nostack, preserves_flags));
+    }
+    out
+}
+
+/// Sum over the 32 lanes of a warp; every lane gets the result. The order of additions is fixed
+/// (butterfly), so the result is bit-for-bit reproducible.
+#[inline(always)]
+pub fn warp_sum(mut v: f32) -> f32 {
+    let mut m = 16;
+    while m > 0 {
+        v += shfl_xor_f32(v, m);
+        m >>= 1;
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dynamic shared memory. One `extern .shared` array for the whole module; its size is the
+// launch's `sharedMemBytes`.
+
+core::arch::global_asm!(".extern .shared .align 16 .b8 DYN_SMEM[];");
+
+/// Generic pointer to the start of the block's dynamic shared memory. The caller must launch
+/// with enough `sharedMemBytes` for what it indexes.
+#[inline(always)]
+pub fn dyn_smem<T>() -> *mut T {
+    let p: u64;
+    // SAFETY: converts the shared-window address of DYN_SMEM to a generic address; no access.
+    unsafe {
+        asm!("cvta.shared.u64 {p}, DYN_SMEM;", p = out(reg64) p, options(nomem, nostack, pure));
+    }
+    p as *mut T
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-byte global memory access: one instruction moves a whole vector, the widest access a
+// thread can make, which is what keeps enough bytes in flight for HBM bandwidth.
+
+/// Loads 16 bytes through the non-coherent (read-only) cache path.
+///
+/// # Safety
+/// `p` must be 16-byte aligned, point to 16 readable bytes of global memory, and the memory must
+/// not be written by this kernel launch (the `.nc` path may return stale data otherwise).
+#[inline(always)]
+pub unsafe fn ld_global_nc_v4(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(pure, readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+/// Loads 16 bytes with an ordinary (coherent) global load, for buffers the same launch may also
+/// write (in-place operations).
+///
+/// # Safety
+/// `p` must be 16-byte aligned and point to 16 readable bytes of global memory.
+#[inline(always)]
+pub unsafe fn ld_global_v4(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(pure, readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+/// Stores 16 bytes.
+///
+/// # Safety
+/// `p` must be 16-byte aligned and point to 16 writable bytes of global memory.
+#[inline(always)]
+pub unsafe fn st_global_v4(p: *mut u32, v: [u32; 4]) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+             p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
+             d = in(reg32) v[3], options(nostack, preserves_flags));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Half-precision conversions: hardware `cvt`, round to nearest even, NaN and infinities kept,
+// no flush to zero.
+
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let f: f32;
+    // SAFETY: pure register conversion.
+    unsafe {
+        asm!("cvt.f32.f16 {f}, {h};", f = out(reg32) f, h = in(reg16) h,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f
+}
+
+/// Packs two f32 into f16x2: `lo` in bits 0..16 (the lower address), `hi` in bits 16..32.
+#[inline(always)]
+pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    // SAFETY: pure register conversion (sm_80+). The first source goes to the upper half.
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi,
+             lo = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+/// Packs two f32 into bf16x2, like [`f32x2_to_f16x2`].
+#[inline(always)]
+pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    // SAFETY: pure register conversion (sm_80+).
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {hi}, {lo};", r = out(reg32) r, hi = in(reg32) hi,
+             lo = in(reg32) lo, options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    let h: u16;
+    // SAFETY: pure register conversion.
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {x};", h = out(reg16) h, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    h
+}
+
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let h: u16;
+    // SAFETY: pure register conversion (sm_80+).
+    unsafe {
+        asm!("cvt.rn.bf16.f32 {h}, {x};", h = out(reg16) h, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    h
+}
+
+/// bf16 is the upper half of an f32: widening is exact and free.
+#[inline(always)]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// 2^x by the special function unit (`ex2.approx.f32`, MUFU.EX2): relative error about 2^-22 on
+/// [-1/2, 1/2], where `fastmath::exp` uses it. Denormals are not flushed (no `.ftz`).
+#[inline(always)]
+pub fn ex2_approx(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("ex2.approx.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    y
+}
+
+/// Stops the kernel with an error the host sees as a launch failure. Used by the panic handler
+/// (bounds checks and the like), which should be unreachable.
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` aborts the kernel; it has no other effect.
+    unsafe { asm!("trap;", options(noreturn, nostack)) }
+}

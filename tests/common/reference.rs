@@ -1,0 +1,335 @@
+//! CPU references in f64, and the error each op's f32 computation is allowed.
+//!
+//! Each formula has PyTorch's structure (so NaN and infinities come out as PyTorch's do: e.g.
+//! `gelu'(inf)` is NaN because PyTorch computes `x * pdf(x)` = inf * 0), evaluated in f64.
+//! Tolerances are relative to U = 2^-23 (one f32 ulp at 1) and are derived from the number of
+//! f32 roundings on the GPU's path, noted beside each op; [`super::close`] adds one ulp of the
+//! storage type on top.
+
+use super::Tol;
+use kernels::ops::{Activation, BinaryOp, UnaryOp};
+
+pub const U: f64 = 1.0 / 8_388_608.0; // 2^-23
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const KAPPA: f64 = 0.044715;
+
+/// The exact value of `op` at `x` (parameters as the GPU sees them, i.e. as f32).
+pub fn unary_fwd(op: UnaryOp, x: f64) -> f64 {
+    match op {
+        UnaryOp::Neg => -x,
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.ln(),
+        UnaryOp::Expm1 => libm::expm1(x),
+        UnaryOp::Log1p => libm::log1p(x),
+        UnaryOp::Erf => libm::erf(x),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
+        UnaryOp::Pow(p) => libm::pow(x, p as f64),
+        UnaryOp::Clamp { min, max } => {
+            let y = if x < min as f64 { min as f64 } else { x };
+            if y > max as f64 { max as f64 } else { y }
+        }
+        UnaryOp::AddScalar(s) => x + s as f64,
+        UnaryOp::SubScalar(s) => x - s as f64,
+        UnaryOp::MulScalar(s) => x * s as f64,
+        UnaryOp::DivScalar(s) => x / s as f64,
+        UnaryOp::Act(a) => act_fwd(a, x),
+    }
+}
+
+pub fn act_fwd(a: Activation, x: f64) -> f64 {
+    match a {
+        Activation::Identity => x,
+        Activation::Relu => {
+            if x <= 0.0 {
+                0.0
+            } else {
+                x
+            }
+        }
+        Activation::LeakyRelu { negative_slope } => {
+            if x > 0.0 {
+                x
+            } else {
+                x * negative_slope as f64
+            }
+        }
+        Activation::Sigmoid => sigmoid(x),
+        Activation::Tanh => x.tanh(),
+        Activation::Gelu => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
+        Activation::GeluTanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + KAPPA * x * x * x)).tanh()),
+        Activation::Silu => x * sigmoid(x),
+        Activation::Mish => x * libm::log1p(x.exp()).tanh(),
+        Activation::Softplus { beta, threshold } => {
+            let z = x * beta as f64;
+            if z > threshold as f64 { x } else { libm::log1p(z.exp()) / beta as f64 }
+        }
+    }
+}
+
+/// The exact derivative times `g`.
+pub fn unary_bwd(op: UnaryOp, x: f64, g: f64) -> f64 {
+    match op {
+        UnaryOp::Neg => -g,
+        UnaryOp::Abs => {
+            let s = if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else if x == 0.0 {
+                0.0
+            } else {
+                x
+            };
+            g * s
+        }
+        UnaryOp::Exp | UnaryOp::Expm1 => g * x.exp(),
+        UnaryOp::Log => g / x,
+        UnaryOp::Log1p => g / (1.0 + x),
+        UnaryOp::Erf => g * std::f64::consts::FRAC_2_SQRT_PI * (-x * x).exp(),
+        UnaryOp::Sqrt => g / (2.0 * x.sqrt()),
+        UnaryOp::Rsqrt => {
+            let r = 1.0 / x.sqrt();
+            -0.5 * g * r * r * r
+        }
+        UnaryOp::Pow(p) => {
+            if p == 0.0 {
+                0.0
+            } else {
+                g * p as f64 * libm::pow(x, p as f64 - 1.0)
+            }
+        }
+        UnaryOp::Clamp { min, max } => {
+            if x >= min as f64 && x <= max as f64 {
+                g
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) => g,
+        UnaryOp::MulScalar(s) => g * s as f64,
+        UnaryOp::DivScalar(s) => g / s as f64,
+        UnaryOp::Act(a) => act_bwd(a, x, g),
+    }
+}
+
+pub fn act_bwd(a: Activation, x: f64, g: f64) -> f64 {
+    match a {
+        Activation::Identity => g,
+        Activation::Relu => {
+            if x <= 0.0 {
+                0.0
+            } else {
+                g
+            }
+        }
+        Activation::LeakyRelu { negative_slope } => {
+            if x > 0.0 {
+                g
+            } else {
+                g * negative_slope as f64
+            }
+        }
+        Activation::Sigmoid => {
+            let s = sigmoid(x);
+            g * s * (1.0 - s)
+        }
+        Activation::Tanh => {
+            let t = x.tanh();
+            g * (1.0 - t * t)
+        }
+        Activation::Gelu => {
+            let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            g * (cdf + x * pdf)
+        }
+        Activation::GeluTanh => {
+            let x2 = x * x;
+            let t = (SQRT_2_OVER_PI * (x + KAPPA * x2 * x)).tanh();
+            let d_right = 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * KAPPA * x2);
+            g * (0.5 * (1.0 + t) + d_right)
+        }
+        Activation::Silu => {
+            let s = sigmoid(x);
+            g * s * (1.0 + x * (1.0 - s))
+        }
+        Activation::Mish => {
+            let t = libm::log1p(x.exp()).tanh();
+            g * (t + x * sigmoid(x) * (1.0 - t * t))
+        }
+        Activation::Softplus { beta, threshold } => {
+            let z = x * beta as f64;
+            if z > threshold as f64 {
+                g
+            } else {
+                let e = z.exp();
+                g * e / (e + 1.0)
+            }
+        }
+    }
+}
+
+/// Error bound of the GPU's f32 forward of `op` at `x` (exact result `r`).
+pub fn unary_fwd_tol(op: UnaryOp, x: f64) -> Tol {
+    let ax = x.abs();
+    let (rtol, atol) = match op {
+        // One correctly rounded operation (or none).
+        UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sqrt => (0.0, 0.0),
+        UnaryOp::Clamp { .. } | UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) => (0.0, 0.0),
+        UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) => (0.0, 0.0),
+        // Two correctly rounded operations (1/sqrt).
+        UnaryOp::Rsqrt => (U, 0.0),
+        // The math library's bound, <= 2 ulp (measured; see README), with margin.
+        UnaryOp::Exp | UnaryOp::Log | UnaryOp::Expm1 | UnaryOp::Log1p | UnaryOp::Erf => (3.0 * U, 0.0),
+        UnaryOp::Pow(_) => (3.0 * U, 0.0),
+        UnaryOp::Act(a) => return act_fwd_tol(a, x),
+    };
+    let _ = ax;
+    Tol { rtol, atol }
+}
+
+pub fn act_fwd_tol(a: Activation, x: f64) -> Tol {
+    let ax = x.abs();
+    let (rtol, atol) = match a {
+        Activation::Identity | Activation::Relu => (0.0, 0.0),
+        Activation::LeakyRelu { .. } => (0.0, 0.0),
+        // exp (2 ulp), 1 + e, 1 / (.): the error of e enters scaled by e / (1 + e) <= 1.
+        Activation::Sigmoid => (4.0 * U, 0.0),
+        Activation::Tanh => (3.0 * U, 0.0),
+        // x * sigmoid(x): one more rounding. Below x = -88.7, exp(-x) overflows f32 and the
+        // result is 0 (as PyTorch's), where the exact |x| e^x is below 3e-37.
+        Activation::Silu => (5.0 * U, 3e-37),
+        // 0.5 x (1 + erf): 1 + erf cancels for x << 0; its rounding (and erf's 2 ulp of a value
+        // <= 1) is absolute at scale 1, times 0.5 |x|.
+        Activation::Gelu => (4.0 * U, 2.0 * ax * U),
+        // As GELU, with the cubic's roundings entering through tanh' <= 1.
+        Activation::GeluTanh => (6.0 * U, 4.0 * ax * U),
+        // exp, log1p, tanh (2 ulp each, errors propagated with factors <= 1), one product.
+        Activation::Mish => (10.0 * U, 0.0),
+        // z = x * beta (exact for beta = 2^k), exp, log1p, / beta.
+        Activation::Softplus { .. } => (8.0 * U, 0.0),
+    };
+    Tol { rtol, atol }
+}
+
+/// Error bound of the GPU's f32 backward of `op` at `x` with incoming gradient `g`.
+pub fn unary_bwd_tol(op: UnaryOp, x: f64, g: f64) -> Tol {
+    let (ax, ag) = (x.abs(), g.abs());
+    let (rtol, atol) = match op {
+        UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Clamp { .. } => (0.0, 0.0),
+        UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) => (0.0, 0.0),
+        UnaryOp::Log => (0.0, 0.0),
+        UnaryOp::Sqrt => (U, 0.0),
+        UnaryOp::Rsqrt => (6.0 * U, 0.0),
+        UnaryOp::Exp | UnaryOp::Expm1 => (4.0 * U, 0.0),
+        UnaryOp::Pow(_) => (5.0 * U, 0.0),
+        // 1 + x rounds with an error relative to x, large against 1 + x near x = -1.
+        UnaryOp::Log1p => (2.0 * U + if x.is_finite() { U * ax / (1.0 + x).abs() } else { 0.0 }, 0.0),
+        // exp(-x*x): the rounding of x*x is an absolute error x^2 U in the exponent.
+        UnaryOp::Erf => (4.0 * U + if x.is_finite() { x * x * U } else { 0.0 }, 0.0),
+        UnaryOp::Act(a) => return act_bwd_tol(a, x, g),
+    };
+    let _ = ag;
+    Tol { rtol, atol }
+}
+
+pub fn act_bwd_tol(a: Activation, x: f64, g: f64) -> Tol {
+    let (ax, ag) = (x.abs(), g.abs());
+    match a {
+        Activation::Identity | Activation::Relu | Activation::LeakyRelu { .. } => Tol { rtol: 0.0, atol: 0.0 },
+        Activation::Softplus { .. } => Tol { rtol: 8.0 * U, atol: 0.0 },
+        // Derivative formulas chain up to 8 roundings (16 U relative), and cancel in (1 - s),
+        // (1 - t^2), (1 + erf) at an absolute scale of |g| (1 + |x|) U.
+        _ => Tol { rtol: 16.0 * U, atol: ag * (2.0 + ax) * 8.0 * U + ag * x * x * U },
+    }
+}
+
+/// Where the derivative is not smooth (finite differences are meaningless within `h`).
+pub fn kinks(op: UnaryOp) -> Vec<f64> {
+    match op {
+        UnaryOp::Abs => vec![0.0],
+        UnaryOp::Clamp { min, max } => vec![min as f64, max as f64],
+        UnaryOp::Act(Activation::Relu) | UnaryOp::Act(Activation::LeakyRelu { .. }) => vec![0.0],
+        UnaryOp::Act(Activation::Softplus { beta, threshold }) => vec![threshold as f64 / beta as f64],
+        _ => vec![],
+    }
+}
+
+/// Derivative of the f64 forward at `x` by finite differences, or `None` where that is not
+/// meaningful (non-finite, near a kink, outside the domain, or not converging).
+///
+/// Richardson extrapolation of two central differences (their h^2 error terms cancel), with the
+/// step shrunk until two successive estimates agree: near a singularity (log1p close to x = -1)
+/// a step that is small against |x| can still be large against the distance to it.
+pub fn finite_difference(op: UnaryOp, x: f64) -> Option<f64> {
+    if !x.is_finite() || x.abs() > 1e4 {
+        return None;
+    }
+    // Rounding error is about eps |f| / h: start with a step large against that, on the scale at
+    // which these functions vary (1, or |x|), and shrink while the estimates disagree.
+    let mut h = 1e-4 * x.abs().max(1.0);
+    if kinks(op).iter().any(|k| (x - k).abs() < 1e3 * h) {
+        return None;
+    }
+    let central = |h: f64| (unary_fwd(op, x + h) - unary_fwd(op, x - h)) / (2.0 * h);
+    let richardson = |h: f64| (4.0 * central(h / 2.0) - central(h)) / 3.0;
+    let mut prev: Option<f64> = None;
+    for _ in 0..10 {
+        let d = richardson(h);
+        if !d.is_finite() {
+            prev = None;
+        } else if prev.is_some_and(|p| (d - p).abs() <= 1e-7 * (1.0 + d.abs())) {
+            return Some(d);
+        } else {
+            prev = Some(d);
+        }
+        h /= 8.0;
+    }
+    None
+}
+
+// --- binary ---------------------------------------------------------------------------------------
+
+pub fn binary_fwd(op: BinaryOp, x: f64, y: f64) -> f64 {
+    match op {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x * y,
+        BinaryOp::Div => x / y,
+    }
+}
+
+/// (d/dx, d/dy) times g, with PyTorch's formulas (div: `-g * x / y^2` as `-(g / y) * x / y`).
+pub fn binary_bwd(op: BinaryOp, x: f64, y: f64, g: f64) -> (f64, f64) {
+    match op {
+        BinaryOp::Add => (g, g),
+        BinaryOp::Sub => (g, -g),
+        BinaryOp::Mul => (g * y, g * x),
+        BinaryOp::Div => {
+            let gx = g / y;
+            (gx, -gx * x / y)
+        }
+    }
+}
+
+/// Forward: one correctly rounded operation. Backward: one rounding, or three for d/dy of div,
+/// whose intermediates `x / y` and `(x / y) / y` may be denormal or underflow to 0.
+pub fn binary_bwd_tol(op: BinaryOp, y: f64, g: f64) -> (Tol, Tol) {
+    let exact = Tol { rtol: 0.0, atol: 0.0 };
+    match op {
+        BinaryOp::Div => {
+            let denormal = f32::from_bits(1) as f64;
+            // x / y and then / y each round with an absolute error up to the denormal spacing
+            // (the first also scaled by 1 / |y| in the second); the product with g scales both.
+            let atol = if y != 0.0 { g.abs() * denormal * (1.0 + 1.0 / y.abs()) } else { 0.0 };
+            (exact, Tol { rtol: 2.0 * U, atol: if atol.is_finite() { atol } else { 0.0 } })
+        }
+        _ => (exact, exact),
+    }
+}

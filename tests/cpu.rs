@@ -1,0 +1,177 @@
+//! CPU-only tests: what needs no GPU. The embedded PTX against the host's kernel names and
+//! signatures, the random-number generator against published known answers, and the behaviour
+//! without a driver (an error, never a panic).
+
+use kernels::device::ptx;
+use kernels::{DType, Device, Error};
+use kernels_gpu::elementwise::{
+    BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
+    colsum_finish_kernel,
+};
+use kernels_gpu::init::{FillArgs, RandomArgs, fill_kernel, normal_kernel, uniform_kernel};
+use kernels_gpu::kernel::Params;
+use kernels_gpu::mathprobe::MathProbeArgs;
+use kernels_gpu::ops::{Activation, Binary, Unary};
+use kernels_gpu::{BF16, F16};
+use std::collections::BTreeMap;
+
+/// Every `.entry` of the PTX with its number of parameters.
+fn ptx_kernels() -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    let mut lines = ptx().lines();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix(".visible .entry ") else { continue };
+        let name = rest.split('(').next().unwrap().trim().to_string();
+        let mut params = rest.matches(".param").count();
+        if !rest.contains(')') {
+            for l in lines.by_ref() {
+                params += l.matches(".param").count();
+                if l.contains(')') {
+                    break;
+                }
+            }
+        }
+        out.insert(name, params);
+    }
+    out
+}
+
+/// Every kernel the host can launch, with the arity of the signature it launches it with.
+fn host_kernels() -> BTreeMap<&'static str, usize> {
+    fn arity<A: Params>() -> usize {
+        A::ARITY
+    }
+    let mut m = BTreeMap::new();
+    for dt in DType::ALL {
+        let (u_f, u_b, b_f, b_b, r_f, r_b, c, fl, rnd) = match dt {
+            DType::F32 => (
+                arity::<UnaryFwdArgs<f32>>(),
+                arity::<UnaryBwdArgs<f32>>(),
+                arity::<BinaryFwdArgs<f32>>(),
+                arity::<BinaryBwdArgs<f32>>(),
+                arity::<RowFwdArgs<f32>>(),
+                arity::<RowBwdArgs<f32>>(),
+                arity::<ColsumFinishArgs<f32>>(),
+                arity::<FillArgs<f32>>(),
+                arity::<RandomArgs<f32>>(),
+            ),
+            DType::F16 => (
+                arity::<UnaryFwdArgs<F16>>(),
+                arity::<UnaryBwdArgs<F16>>(),
+                arity::<BinaryFwdArgs<F16>>(),
+                arity::<BinaryBwdArgs<F16>>(),
+                arity::<RowFwdArgs<F16>>(),
+                arity::<RowBwdArgs<F16>>(),
+                arity::<ColsumFinishArgs<F16>>(),
+                arity::<FillArgs<F16>>(),
+                arity::<RandomArgs<F16>>(),
+            ),
+            DType::BF16 => (
+                arity::<UnaryFwdArgs<BF16>>(),
+                arity::<UnaryBwdArgs<BF16>>(),
+                arity::<BinaryFwdArgs<BF16>>(),
+                arity::<BinaryBwdArgs<BF16>>(),
+                arity::<RowFwdArgs<BF16>>(),
+                arity::<RowBwdArgs<BF16>>(),
+                arity::<ColsumFinishArgs<BF16>>(),
+                arity::<FillArgs<BF16>>(),
+                arity::<RandomArgs<BF16>>(),
+            ),
+        };
+        for u in Unary::ALL {
+            m.insert(u.fwd(dt), u_f);
+            m.insert(u.bwd(dt), u_b);
+        }
+        for b in Binary::ALL {
+            m.insert(b.fwd(dt), b_f);
+            m.insert(b.bwd(dt), b_b);
+            m.insert(b.row_fwd(dt), r_f);
+            m.insert(b.row_bwd(dt), r_b);
+        }
+        for a in Activation::ALL {
+            m.insert(a.fwd(dt), r_f);
+            m.insert(a.bwd(dt), r_b);
+        }
+        m.insert(colsum_finish_kernel(dt), c);
+        m.insert(fill_kernel(dt), fl);
+        m.insert(uniform_kernel(dt), rnd);
+        m.insert(normal_kernel(dt), rnd);
+    }
+    m.insert("math_probe_f32", arity::<MathProbeArgs>());
+    m
+}
+
+#[test]
+fn ptx_has_exactly_the_kernels_the_host_launches_with_their_arity() {
+    let ptx = ptx_kernels();
+    let host = host_kernels();
+    for (name, n) in &host {
+        match ptx.get(*name) {
+            None => panic!("the host launches `{name}`, which the PTX does not have"),
+            Some(p) => assert_eq!(p, n, "`{name}`: {p} parameters in the PTX, {n} in the host's signature"),
+        }
+    }
+    for name in ptx.keys() {
+        assert!(host.contains_key(name.as_str()), "PTX kernel `{name}` is never launched by the host");
+    }
+    assert!(ptx.len() > 250, "only {} kernels", ptx.len());
+}
+
+#[test]
+fn ptx_is_for_the_configured_architecture() {
+    let target = ptx().lines().find(|l| l.starts_with(".target")).expect("a .target line");
+    assert!(target.contains(kernels::device::PTX_ARCH), "{target} vs {}", kernels::device::PTX_ARCH);
+    // No kernel may call an unresolved function (e.g. an `expf` LLVM could not lower).
+    assert!(!ptx().contains(".extern .func"), "the PTX calls an external function");
+}
+
+/// Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).
+#[test]
+fn philox_known_answers() {
+    use kernels_gpu::init::philox4x32_10;
+    assert_eq!(philox4x32_10([0; 4], [0; 2]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
+    assert_eq!(philox4x32_10([u32::MAX; 4], [u32::MAX; 2]), [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]);
+    assert_eq!(
+        philox4x32_10([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
+        [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+    );
+}
+
+#[test]
+fn uniform_and_normal_generators_have_the_right_moments() {
+    use kernels_gpu::init::{normal_at, uniform_at};
+    let n = 1u64 << 20;
+    let (mut s1, mut s2) = (0.0f64, 0.0f64);
+    for i in 0..n {
+        let u = uniform_at(42, i, -1.0, 3.0) as f64;
+        assert!((-1.0..3.0).contains(&u), "uniform value {u} outside [-1, 3)");
+        s1 += u;
+    }
+    assert!((s1 / n as f64 - 1.0).abs() < 5.0 * (16.0f64 / 12.0).sqrt() / (n as f64).sqrt());
+    s1 = 0.0;
+    for i in 0..n {
+        let z = normal_at(7, i, 0.0, 1.0) as f64;
+        assert!(z.is_finite());
+        s1 += z;
+        s2 += z * z;
+    }
+    let mean = s1 / n as f64;
+    let var = s2 / n as f64 - mean * mean;
+    assert!(mean.abs() < 5.0 / (n as f64).sqrt(), "mean {mean}");
+    assert!((var - 1.0).abs() < 5.0 * (2.0f64).sqrt() / (n as f64).sqrt(), "variance {var}");
+}
+
+/// Without a driver (CI) `Device::cuda` is an error with a clear message; with one it works.
+#[test]
+fn a_missing_gpu_is_an_error_not_a_panic() {
+    match Device::cuda(0) {
+        Ok(dev) => assert!(!dev.name().is_empty()),
+        Err(e @ (Error::NoDriver { .. } | Error::NoDevice { .. })) => {
+            let msg = e.to_string();
+            assert!(msg.contains("CUDA"), "unclear message: {msg}");
+        }
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+    // Asking for a device that cannot exist is an error either way.
+    assert!(matches!(Device::cuda(1 << 20), Err(Error::NoDriver { .. } | Error::NoDevice { .. })));
+}

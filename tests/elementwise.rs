@@ -1,0 +1,413 @@
+//! GPU tests of the element-wise family: every unary op and activation, binary ops, row
+//! broadcasts and the fused `act(x * scale + bias)`, forward and backward, in f32, f16 and bf16,
+//! against f64 references (tests/common/reference.rs), on random shapes and values that include
+//! ±0, ±inf, NaN, denormals and huge magnitudes. Backward passes are also checked against
+//! central finite differences of the f64 forward. Outputs start as NaN (poisoned allocations or
+//! NaN-filled `out` tensors), so an unwritten element fails.
+
+mod common;
+
+use common::reference::{self as r, U};
+use common::*;
+use kernels::ops::{self, Activation, BinaryOp, UnaryOp};
+use kernels::{DType, Device, Error, Tensor};
+use proptest::prelude::*;
+use std::process::ExitCode;
+
+fn fwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let xs = draw(&mut rng, n, dt, draw_);
+    let x = tensor(dev, &xs, &[n], dt)?;
+    let want: Vec<f64> = xs.iter().map(|&v| r::unary_fwd(op, v as f64)).collect();
+    let tol = |i: usize| r::unary_fwd_tol(op, xs[i] as f64);
+    let show = |i: usize| format!("x = {:e}", xs[i]);
+
+    // Out-of-place (poisoned allocation), into a NaN-filled `out`, and in place: the same bits.
+    let y = ops::unary(&x, op).map_err(e)?.to_f32_vec().map_err(e)?;
+    let (k, a, b) = op.kernel();
+    let emul = |i: usize| at_extremes(&[xs[i]], || k.fwd_f32(xs[i], a, b));
+    compare(&format!("{op:?} forward"), dt, &y, &want, tol, emul, show)?;
+    let mut out = nan_tensor(dev, &[n], dt)?;
+    ops::unary_out(&x, op, &mut out).map_err(e)?;
+    let mut xi = x.try_clone().map_err(e)?;
+    ops::unary_(&mut xi, op).map_err(e)?;
+    for (what, t) in [("unary_out", &out), ("unary_ (in place)", &xi)] {
+        let got = t.to_f32_vec().map_err(e)?;
+        if got.iter().zip(&y).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            return Err(format!("{op:?}: {what} differs from unary"));
+        }
+    }
+    Ok(())
+}
+
+fn bwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let xs = draw(&mut rng, n, dt, draw_);
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.02 });
+    let x = tensor(dev, &xs, &[n], dt)?;
+    let g = tensor(dev, &gs, &[n], dt)?;
+    let gx = ops::unary_backward(&x, &g, op).map_err(e)?.to_f32_vec().map_err(e)?;
+    let want: Vec<f64> = (0..n).map(|i| r::unary_bwd(op, xs[i] as f64, gs[i] as f64)).collect();
+    let tol = |i: usize| r::unary_bwd_tol(op, xs[i] as f64, gs[i] as f64);
+    let show = |i: usize| format!("x = {:e}, g = {:e}", xs[i], gs[i]);
+    let (k, a, b) = op.kernel();
+    let emul = |i: usize| at_extremes(&[xs[i], gs[i]], || k.bwd_f32(xs[i], gs[i], a, b));
+    compare(&format!("{op:?} backward"), dt, &gx, &want, tol, emul, show)?;
+
+    // Central finite differences of the f64 forward: the analytic reference must agree with
+    // them, and so must the GPU's gradient (within its own tolerance plus the FD error).
+    for i in 0..n {
+        let (xv, gv) = (xs[i] as f64, gs[i] as f64);
+        let Some(fd) = r::finite_difference(op, xv) else { continue };
+        if !gv.is_finite() {
+            continue;
+        }
+        let analytic = r::unary_bwd(op, xv, 1.0);
+        let fd_err = 1e-5 * (1.0 + fd.abs());
+        if (analytic - fd).abs() > fd_err {
+            return Err(format!("{op:?}: reference derivative {analytic:e} != finite difference {fd:e} at x = {xv:e}"));
+        }
+        let t = r::unary_bwd_tol(op, xv, gv);
+        let t = Tol { rtol: t.rtol, atol: t.atol + fd_err * gv.abs() };
+        if !close(dt, gx[i], gv * fd, t) && !emul(i).is_some_and(|v| !v.is_finite()) {
+            return Err(format!(
+                "{op:?}: GPU gradient {:e} != g * finite difference {:e} at x = {xv:e}, g = {gv:e}",
+                gx[i],
+                gv * fd
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn binary_case(dev: &Device, op: BinaryOp, dt: DType, n: usize, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let (xs, ys) = (draw(&mut rng, n, dt, Draw::NORMAL), draw(&mut rng, n, dt, Draw::NORMAL));
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.02 });
+    let (x, y, g) = (tensor(dev, &xs, &[n], dt)?, tensor(dev, &ys, &[n], dt)?, tensor(dev, &gs, &[n], dt)?);
+    let show = |i: usize| format!("x = {:e}, y = {:e}, g = {:e}", xs[i], ys[i], gs[i]);
+    let exact = |_| Tol { rtol: 0.0, atol: 0.0 };
+
+    let want: Vec<f64> = (0..n).map(|i| r::binary_fwd(op, xs[i] as f64, ys[i] as f64)).collect();
+    let out = ops::binary(&x, &y, op).map_err(e)?.to_f32_vec().map_err(e)?;
+    let k = op.kernel();
+    compare(
+        &format!("{op:?} forward"),
+        dt,
+        &out,
+        &want,
+        exact,
+        |i| at_extremes(&[xs[i], ys[i]], || k.fwd_f32(xs[i], ys[i])),
+        show,
+    )?;
+    let mut o = nan_tensor(dev, &[n], dt)?;
+    ops::binary_out(&x, &y, op, &mut o).map_err(e)?;
+    let mut xi = x.try_clone().map_err(e)?;
+    ops::binary_(&mut xi, &y, op).map_err(e)?;
+    for t in [&o, &xi] {
+        let got = t.to_f32_vec().map_err(e)?;
+        if got.iter().zip(&out).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            return Err(format!("{op:?}: binary_out / binary_ differ from binary"));
+        }
+    }
+
+    let (gx, gy) = ops::binary_backward(&x, &y, &g, op).map_err(e)?;
+    let (gx, gy) = (gx.to_f32_vec().map_err(e)?, gy.to_f32_vec().map_err(e)?);
+    let refs: Vec<(f64, f64)> = (0..n).map(|i| r::binary_bwd(op, xs[i] as f64, ys[i] as f64, gs[i] as f64)).collect();
+    let tol = |i: usize| r::binary_bwd_tol(op, ys[i] as f64, gs[i] as f64);
+    let em = |i: usize| at_extremes(&[xs[i], ys[i], gs[i]], || 0.0).map(|_| k.bwd_f32(xs[i], ys[i], gs[i]));
+    compare(
+        &format!("{op:?} d/dx"),
+        dt,
+        &gx,
+        &refs.iter().map(|p| p.0).collect::<Vec<_>>(),
+        |i| tol(i).0,
+        |i| em(i).map(|p| p.0),
+        show,
+    )?;
+    compare(
+        &format!("{op:?} d/dy"),
+        dt,
+        &gy,
+        &refs.iter().map(|p| p.1).collect::<Vec<_>>(),
+        |i| tol(i).1,
+        |i| em(i).map(|p| p.1),
+        show,
+    )
+}
+
+/// Column sums of `terms` (rows x cols) in f64, with the bound of an f32 summation of `rows`
+/// terms (rows * U * sum |t|) plus the terms' own errors. `None` (not checked) for columns with
+/// an extreme input (`extreme(i)`, where the f32 terms themselves may overflow; the element-wise
+/// gradient of those is checked), non-finite terms or sums that overflow f32, where summation
+/// order decides the outcome.
+fn column_sums(
+    rows: usize,
+    cols: usize,
+    extreme: impl Fn(usize) -> bool,
+    term: impl Fn(usize) -> (f64, f64),
+) -> Vec<Option<(f64, Tol)>> {
+    (0..cols)
+        .map(|c| {
+            let (mut s, mut abs, mut err) = (0.0f64, 0.0f64, 0.0f64);
+            for row in 0..rows {
+                if extreme(row * cols + c) {
+                    return None;
+                }
+                let (t, e) = term(row * cols + c);
+                if !t.is_finite() {
+                    return None;
+                }
+                s += t;
+                abs += t.abs();
+                err += e;
+            }
+            (abs < 1e30).then_some((s, Tol { rtol: 0.0, atol: rows as f64 * U * abs + err }))
+        })
+        .collect()
+}
+
+fn check_columns(what: &str, dt: DType, got: &[f32], want: &[Option<(f64, Tol)>]) -> Result<(), String> {
+    for (c, w) in want.iter().enumerate() {
+        if let Some((v, tol)) = w
+            && !close(dt, got[c], *v, *tol)
+        {
+            return Err(format!("{what}: column {c}: got {:e}, want {v:e} (tol {tol:?})", got[c]));
+        }
+    }
+    Ok(())
+}
+
+fn row_case(dev: &Device, op: BinaryOp, dt: DType, rows: usize, cols: usize, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let n = rows * cols;
+    let xs = draw(&mut rng, n, dt, Draw::NORMAL);
+    let bs = draw(&mut rng, cols, dt, Draw { scale: 2.0, positive: false, special: 0.02 });
+    let gs = draw(&mut rng, n, dt, Draw::FINITE);
+    let (x, b, g) =
+        (tensor(dev, &xs, &[rows, cols], dt)?, tensor(dev, &bs, &[cols], dt)?, tensor(dev, &gs, &[rows, cols], dt)?);
+    let show = |i: usize| format!("x = {:e}, row = {:e}", xs[i], bs[i % cols]);
+    let exact = |_| Tol { rtol: 0.0, atol: 0.0 };
+
+    let want: Vec<f64> = (0..n).map(|i| r::binary_fwd(op, xs[i] as f64, bs[i % cols] as f64)).collect();
+    let y = ops::binary_row(&x, &b, op).map_err(e)?.to_f32_vec().map_err(e)?;
+    let k = op.kernel();
+    compare(
+        &format!("{op:?} row forward"),
+        dt,
+        &y,
+        &want,
+        exact,
+        |i| at_extremes(&[xs[i], bs[i % cols]], || k.fwd_f32(xs[i], bs[i % cols])),
+        show,
+    )?;
+    let mut xi = x.try_clone().map_err(e)?;
+    ops::binary_row_(&mut xi, &b, op).map_err(e)?;
+    if xi.to_f32_vec().map_err(e)?.iter().zip(&y).any(|(a, b)| a.to_bits() != b.to_bits()) {
+        return Err(format!("{op:?}: binary_row_ differs from binary_row"));
+    }
+
+    let (gx, gb) = ops::binary_row_backward(&x, &b, &g, op).map_err(e)?;
+    let (gx, gb) = (gx.to_f32_vec().map_err(e)?, gb.to_f32_vec().map_err(e)?);
+    let tol = |i: usize| r::binary_bwd_tol(op, bs[i % cols] as f64, gs[i] as f64);
+    let refs: Vec<(f64, f64)> =
+        (0..n).map(|i| r::binary_bwd(op, xs[i] as f64, bs[i % cols] as f64, gs[i] as f64)).collect();
+    let em = |i: usize| at_extremes(&[xs[i], bs[i % cols], gs[i]], || k.bwd_f32(xs[i], bs[i % cols], gs[i]).0);
+    compare(
+        &format!("{op:?} row d/dx"),
+        dt,
+        &gx,
+        &refs.iter().map(|p| p.0).collect::<Vec<_>>(),
+        |i| tol(i).0,
+        em,
+        show,
+    )?;
+    let sums = column_sums(
+        rows,
+        cols,
+        |i| at_extremes(&[xs[i], bs[i % cols], gs[i]], || 0.0).is_some(),
+        |i| (refs[i].1, tol(i).1.rtol * refs[i].1.abs() + tol(i).1.atol),
+    );
+    check_columns(&format!("{op:?} row d/drow"), dt, &gb, &sums)
+}
+
+fn fused_case(dev: &Device, act: Activation, dt: DType, rows: usize, cols: usize, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let n = rows * cols;
+    let xs = draw(&mut rng, n, dt, Draw::NORMAL);
+    let ss = draw(&mut rng, cols, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
+    let bs = draw(&mut rng, cols, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
+    let x = tensor(dev, &xs, &[rows, cols], dt)?;
+    let (s, b, g) =
+        (tensor(dev, &ss, &[cols], dt)?, tensor(dev, &bs, &[cols], dt)?, tensor(dev, &gs, &[rows, cols], dt)?);
+    // z = fma(x, s, b) is rounded once in f32 before the activation: the exact result's
+    // sensitivity to that rounding (f at z(1 +- U/2)) adds to the activation's own bound.
+    let z = |i: usize| xs[i] as f64 * ss[i % cols] as f64 + bs[i % cols] as f64;
+    let spread = |f: &dyn Fn(f64) -> f64, z: f64| {
+        let d = z.abs() * U;
+        let v = ((f(z + d) - f(z - d)) / 2.0).abs();
+        if v.is_finite() { v } else { 0.0 }
+    };
+    let show =
+        |i: usize| format!("x = {:e}, scale = {:e}, bias = {:e}, g = {:e}", xs[i], ss[i % cols], bs[i % cols], gs[i]);
+
+    let want: Vec<f64> = (0..n).map(|i| r::act_fwd(act, z(i))).collect();
+    let tol = |i: usize| {
+        let t = r::act_fwd_tol(act, z(i));
+        Tol { rtol: t.rtol, atol: t.atol + spread(&|v| r::act_fwd(act, v), z(i)) }
+    };
+    let y = ops::scale_bias_act(&x, &s, &b, act).map_err(e)?.to_f32_vec().map_err(e)?;
+    let (k, pa, pb) = act.kernel();
+    let zf = |i: usize| xs[i].mul_add(ss[i % cols], bs[i % cols]);
+    compare(
+        &format!("scale_bias_act({act:?}) forward"),
+        dt,
+        &y,
+        &want,
+        tol,
+        |i| at_extremes(&[xs[i], ss[i % cols], bs[i % cols]], || k.fwd_f32(zf(i), pa, pb)),
+        show,
+    )?;
+    let mut xi = x.try_clone().map_err(e)?;
+    ops::scale_bias_act_(&mut xi, &s, &b, act).map_err(e)?;
+    if xi.to_f32_vec().map_err(e)?.iter().zip(&y).any(|(a, b)| a.to_bits() != b.to_bits()) {
+        return Err(format!("{act:?}: scale_bias_act_ differs from scale_bias_act"));
+    }
+
+    let grads = ops::scale_bias_act_backward(&x, &s, &b, &g, act).map_err(e)?;
+    let gx = grads.x.to_f32_vec().map_err(e)?;
+    let (gsc, gbi) = (grads.scale.to_f32_vec().map_err(e)?, grads.bias.to_f32_vec().map_err(e)?);
+    let dz = |i: usize| r::act_bwd(act, z(i), gs[i] as f64);
+    let dz_err = |i: usize| {
+        let t = r::act_bwd_tol(act, z(i), gs[i] as f64);
+        t.rtol * dz(i).abs() + t.atol + spread(&|v| r::act_bwd(act, v, gs[i] as f64), z(i))
+    };
+    let want: Vec<f64> = (0..n).map(|i| dz(i) * ss[i % cols] as f64).collect();
+    let tol = |i: usize| Tol { rtol: U, atol: dz_err(i) * (ss[i % cols] as f64).abs() };
+    let em = |i: usize| {
+        at_extremes(&[xs[i], ss[i % cols], bs[i % cols], gs[i]], || k.bwd_f32(zf(i), gs[i], pa, pb) * ss[i % cols])
+    };
+    compare(&format!("scale_bias_act({act:?}) d/dx"), dt, &gx, &want, tol, em, show)?;
+    let extreme = |i: usize| at_extremes(&[xs[i], ss[i % cols], bs[i % cols], gs[i]], || 0.0).is_some();
+    let gscale = column_sums(rows, cols, extreme, |i| {
+        (dz(i) * xs[i] as f64, dz_err(i) * (xs[i] as f64).abs() + U * (dz(i) * xs[i] as f64).abs())
+    });
+    check_columns(&format!("scale_bias_act({act:?}) d/dscale"), dt, &gsc, &gscale)?;
+    let gbias = column_sums(rows, cols, extreme, |i| (dz(i), dz_err(i)));
+    check_columns(&format!("scale_bias_act({act:?}) d/dbias"), dt, &gbi, &gbias)
+}
+
+/// The bias gradient is a reduction: the same inputs must give the same bits every time.
+fn determinism(dev: &Device) -> Result<(), String> {
+    let x = Tensor::rand_normal(dev, &[4099, 1031], DType::F32, 0.0, 1.0, 7).map_err(e)?;
+    let (s, b) = (
+        Tensor::rand_normal(dev, &[1031], DType::F32, 1.0, 0.5, 8).map_err(e)?,
+        Tensor::rand_normal(dev, &[1031], DType::F32, 0.0, 1.0, 9).map_err(e)?,
+    );
+    let g = Tensor::rand_normal(dev, &[4099, 1031], DType::F32, 0.0, 1.0, 10).map_err(e)?;
+    let run = || -> Result<(Vec<u32>, Vec<u32>), String> {
+        let gr = ops::scale_bias_act_backward(&x, &s, &b, &g, Activation::Gelu).map_err(e)?;
+        let bits = |t: &Tensor| t.to_f32_vec().map(|v| v.iter().map(|f| f.to_bits()).collect());
+        Ok((bits(&gr.scale).map_err(e)?, bits(&gr.bias).map_err(e)?))
+    };
+    let first = run()?;
+    for _ in 0..3 {
+        if run()? != first {
+            return Err("scale_bias_act_backward is not bit-for-bit reproducible".into());
+        }
+    }
+    Ok(())
+}
+
+/// Bad arguments are errors naming the op and shapes, not panics or launches.
+fn argument_errors(dev: &Device) -> Result<(), String> {
+    let a = Tensor::zeros(dev, &[4, 5], DType::F32).map_err(e)?;
+    let b = Tensor::zeros(dev, &[5, 4], DType::F32).map_err(e)?;
+    let h = Tensor::zeros(dev, &[4, 5], DType::BF16).map_err(e)?;
+    let row4 = Tensor::zeros(dev, &[4], DType::F32).map_err(e)?;
+    let expect = |r: Result<(), Error>, what: &str, pat: fn(&Error) -> bool| match r {
+        Err(err) if pat(&err) => {
+            let msg = err.to_string();
+            if msg.is_empty() { Err(format!("{what}: empty message")) } else { Ok(()) }
+        }
+        other => Err(format!("{what}: expected an error, got {other:?}")),
+    };
+    expect(ops::binary(&a, &b, BinaryOp::Add).map(drop), "shape mismatch", |e| {
+        matches!(e, Error::ShapeMismatch { .. })
+    })?;
+    expect(ops::binary(&a, &h, BinaryOp::Add).map(drop), "dtype mismatch", |e| {
+        matches!(e, Error::DTypeMismatch { .. })
+    })?;
+    expect(ops::binary_row(&a, &row4, BinaryOp::Add).map(drop), "row length", |e| {
+        matches!(e, Error::ShapeMismatch { .. })
+    })?;
+    expect(ops::unary_backward(&a, &b, Activation::Relu).map(drop), "grad shape", |e| {
+        matches!(e, Error::ShapeMismatch { .. })
+    })?;
+    expect(ops::unary(&a, Activation::Softplus { beta: 0.0, threshold: 20.0 }).map(drop), "softplus beta 0", |e| {
+        matches!(e, Error::InvalidArgument { .. })
+    })?;
+    expect(a.to_vec::<half::f16>().map(drop), "to_vec dtype", |e| matches!(e, Error::DTypeMismatch { .. }))?;
+    expect(Tensor::from_slice(dev, &[1.0f32; 3], &[2, 2]).map(drop), "from_slice length", |e| {
+        matches!(e, Error::InvalidArgument { .. })
+    })?;
+    expect(Tensor::zeros(dev, &[usize::MAX, 2], DType::F32).map(drop), "overflowing shape", |e| {
+        matches!(e, Error::InvalidArgument { .. })
+    })?;
+    expect(Tensor::zeros(dev, &[1 << 50], DType::F32).map(drop), "allocation beyond memory", |e| {
+        matches!(e, Error::OutOfMemory { .. })
+    })?;
+    Ok(())
+}
+
+/// Empty tensors and a zero-row matrix: no launch, correct empty or zero results.
+fn empty_tensors(dev: &Device) -> Result<(), String> {
+    for dt in DType::ALL {
+        let x = Tensor::zeros(dev, &[0, 7], dt).map_err(e)?;
+        let row = Tensor::rand_normal(dev, &[7], dt, 0.0, 1.0, 3).map_err(e)?;
+        if ops::unary(&x, UnaryOp::Exp).map_err(e)?.numel() != 0 {
+            return Err("exp of an empty tensor is not empty".into());
+        }
+        let (gx, gb) = ops::binary_row_backward(&x, &row, &x, BinaryOp::Mul).map_err(e)?;
+        if gx.numel() != 0 || gb.to_f32_vec().map_err(e)? != vec![0.0; 7] {
+            return Err("the row gradient over zero rows must be zeros".into());
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let mut tests = Vec::new();
+    for dt in DType::ALL {
+        for (op, d) in unary_ops() {
+            tests.push(test(format!("unary/fwd/{dt:?}/{op:?}/{}", d.positive), move |dev: &Device| {
+                prop(24, (sizes(), any::<u64>()), |(n, seed)| fwd_case(dev, op, d, dt, n, seed))
+            }));
+            tests.push(test(format!("unary/bwd/{dt:?}/{op:?}/{}", d.positive), move |dev: &Device| {
+                prop(24, (sizes(), any::<u64>()), |(n, seed)| bwd_case(dev, op, d, dt, n, seed))
+            }));
+        }
+        for op in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div] {
+            tests.push(test(format!("binary/{dt:?}/{op:?}"), move |dev: &Device| {
+                prop(24, (sizes(), any::<u64>()), |(n, seed)| binary_case(dev, op, dt, n, seed))
+            }));
+            tests.push(test(format!("binary_row/{dt:?}/{op:?}"), move |dev: &Device| {
+                prop(16, (matrix_shapes(), any::<u64>()), |((rows, cols), seed)| {
+                    row_case(dev, op, dt, rows, cols, seed)
+                })
+            }));
+        }
+        for act in activations() {
+            tests.push(test(format!("scale_bias_act/{dt:?}/{act:?}"), move |dev: &Device| {
+                prop(16, (matrix_shapes(), any::<u64>()), |((rows, cols), seed)| {
+                    fused_case(dev, act, dt, rows, cols, seed)
+                })
+            }));
+        }
+    }
+    tests.push(test("determinism/scale_bias_act_backward", determinism));
+    tests.push(test("errors/arguments", argument_errors));
+    tests.push(test("errors/empty_tensors", empty_tensors));
+    run(tests)
+}

@@ -1,0 +1,129 @@
+//! The device math library measured on the GPU: each function over a dense sweep of f32 bit
+//! patterns against an f64 reference (libm), with the worst error in ulp printed and bounded.
+//! `kernels-gpu/tests/math_accuracy.rs` measures the same code on the CPU; this shows that the
+//! GPU build computes the same thing.
+
+mod common;
+
+use common::*;
+use kernels::ops::mathprobe::{MathFn, math_probe};
+use kernels::{Device, Tensor};
+use std::process::ExitCode;
+
+/// Worst error allowed, in ulp of the correctly rounded result (the README states the measured
+/// figures).
+const MAX_ULP: f64 = 2.0;
+
+fn reference(f: MathFn, x: f32) -> f64 {
+    let x = x as f64;
+    match f {
+        MathFn::Exp => x.exp(),
+        MathFn::Expm1 => libm::expm1(x),
+        MathFn::Log => x.ln(),
+        MathFn::Log1p => libm::log1p(x),
+        MathFn::Tanh => x.tanh(),
+        MathFn::Erf => libm::erf(x),
+        MathFn::Sqrt => x.sqrt(),
+        MathFn::Sinpi | MathFn::Cospi => {
+            if !x.is_finite() {
+                return f64::NAN;
+            }
+            // x mod 2 is exact in f64 for an f32 x; then sin(pi r) loses nothing but pi's rounding,
+            // except at the exact zeros (sinpi at integers, cospi at half-integers), where f64's
+            // sin(pi) is 1.2e-16, not 0.
+            let r = x - 2.0 * (x / 2.0).round();
+            let a = std::f64::consts::PI * r;
+            if f == MathFn::Sinpi {
+                if r == r.round() { 0.0 } else { a.sin() }
+            } else if r + 0.5 == (r + 0.5).round() {
+                0.0
+            } else {
+                a.cos()
+            }
+        }
+    }
+}
+
+/// Error of `got` in ulp of the f32 result nearest to `want` (denormal spacing below 2^-126).
+fn ulp_error(got: f32, want: f64) -> f64 {
+    if want.is_nan() || got.is_nan() {
+        return if want.is_nan() && got.is_nan() { 0.0 } else { f64::INFINITY };
+    }
+    if want.is_infinite() || got.is_infinite() {
+        let w = want as f32;
+        return if got == w { 0.0 } else { f64::INFINITY };
+    }
+    let e = if want == 0.0 { -126 } else { (want.abs().log2().floor() as i32).max(-126) };
+    let ulp = 2f64.powi(e - 23);
+    ((got as f64) - want).abs() / ulp
+}
+
+fn sweep(dev: &Device, f: MathFn) -> Result<(), String> {
+    // Every `stride`-th bit pattern, offset so that both signs, all exponents and many
+    // mantissas are covered; 2^32 / 61 = 70M inputs (fewer under the sanitizer).
+    let stride: u64 = if sanitizer() { 1_000_003 } else { 61 };
+    let chunk = 1usize << 24;
+    let mut worst = (0.0f64, 0.0f32);
+    let mut differ_from_cpu = 0usize;
+    let mut start = 0u64;
+    let mut count = 0usize;
+    while start < (1u64 << 32) {
+        let xs: Vec<f32> = (0..chunk as u64)
+            .map(|k| start + k * stride)
+            .take_while(|&b| b < (1u64 << 32))
+            .map(|b| f32::from_bits(b as u32))
+            .collect();
+        if xs.is_empty() {
+            break;
+        }
+        start += xs.len() as u64 * stride;
+        count += xs.len();
+        let x = Tensor::from_slice(dev, &xs, &[xs.len()]).map_err(e)?;
+        let y = math_probe(&x, f).map_err(e)?.to_vec::<f32>().map_err(e)?;
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let per = xs.len().div_ceil(threads);
+        let results: Vec<((f64, f32), usize)> = std::thread::scope(|s| {
+            let handles: Vec<_> = xs
+                .chunks(per)
+                .zip(y.chunks(per))
+                .map(|(xc, yc)| {
+                    s.spawn(move || {
+                        let mut w = (0.0f64, 0.0f32);
+                        let mut d = 0;
+                        for (&x, &y) in xc.iter().zip(yc) {
+                            let err = ulp_error(y, reference(f, x));
+                            if err > w.0 {
+                                w = (err, x);
+                            }
+                            let c = f.eval(x);
+                            if c.to_bits() != y.to_bits() && !(c.is_nan() && y.is_nan()) {
+                                d += 1;
+                            }
+                        }
+                        (w, d)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (w, d) in results {
+            if w.0 > worst.0 {
+                worst = w;
+            }
+            differ_from_cpu += d;
+        }
+    }
+    println!(
+        "{f:?}: {count} inputs, max error {:.3} ulp at x = {:e}; {differ_from_cpu} results differ in bits from the CPU build",
+        worst.0, worst.1
+    );
+    if worst.0 > MAX_ULP {
+        return Err(format!("{f:?}: {:.3} ulp at x = {:e} (bound {MAX_ULP})", worst.0, worst.1));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let tests = MathFn::ALL.iter().map(|&f| test(format!("math/{f:?}"), move |dev: &Device| sweep(dev, f))).collect();
+    run(tests)
+}

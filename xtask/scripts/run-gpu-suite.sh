@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The GPU test suite, from a bundle made by `cargo xtask gpu-bundle`; needs no Rust.
+# Run it from the repository root:
+#     bash .bundle/run-gpu-suite.sh [--tests-only | --skip-tests] [--no-anchors] [-- TEST ARGS]
+#
+#  1. unless --skip-tests: every test binary (bin/tests/*), tests in parallel, with
+#     KERNELS_REQUIRE_GPU=1 (a missing GPU fails every test instead of skipping it); TEST ARGS
+#     (e.g. a name filter) are passed on;
+#  2. unless --tests-only: every example (bin/examples/*); every bench (bin/benches/* --bench,
+#     with KERNELS_BENCH_JSON=RES/bench.json); the bundle's torch_baselines.py (to RES/torch.json);
+#     unless --no-anchors, PyTorch's reference figures (the bundle's anchors.py, copied from
+#     shared/, else shared/anchors.py or ../shared/anchors.py,
+#     to RES/anchors.json); then the bundle's compare.py: `python3 compare.py RES/bench.json
+#     RES/torch.json [RES/anchors.json]`.
+# RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log, anchors.log and
+# compare.log), else the current folder (no logs).
+# The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
+# failed (or a test binary crashed), an example or a bench failed; torch_baselines.py, anchors.py
+# and compare.py failures are reported but do not change it.
+set -uo pipefail
+
+B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+TESTS_ONLY=0
+SKIP_TESTS=0
+ANCHORS_ON=1
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests-only) TESTS_ONLY=1 ;;
+    --skip-tests) SKIP_TESTS=1 ;;
+    --no-anchors) ANCHORS_ON=0 ;;
+    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --) shift; ARGS+=("$@"); break ;;
+    *) ARGS+=("$1") ;;
+  esac
+  shift
+done
+
+export KERNELS_REQUIRE_GPU=1
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  RES="$OUT"
+  LOG="$OUT/tests.log"; XLOG="$OUT/examples.log"; BLOG="$OUT/bench.log"
+  TLOG="$OUT/torch.log"; ALOG="$OUT/anchors.log"; CLOG="$OUT/compare.log"
+  : > "$LOG"
+else
+  RES="."
+  LOG=/dev/null; XLOG=/dev/null; BLOG=/dev/null; TLOG=/dev/null; ALOG=/dev/null; CLOG=/dev/null
+fi
+BENCH_JSON="$RES/bench.json"
+TORCH_JSON="$RES/torch.json"
+ANCHORS_JSON="$RES/anchors.json"
+TMP="$(mktemp)"
+trap 'rm -f "$TMP"' EXIT
+
+echo "== bundle: $B"
+echo "== host: $(hostname 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi
+else
+  echo "(no nvidia-smi on PATH)"
+fi
+
+# --- tests ------------------------------------------------------------------------------------
+TOTAL_P=0; TOTAL_F=0; TOTAL_S=0; NBIN=0
+SUMMARY=()
+for t in "$B"/bin/tests/*; do
+  [ "$SKIP_TESTS" -eq 0 ] || break
+  [ -f "$t" ] && [ -x "$t" ] || continue
+  name="$(basename "$t")"
+  NBIN=$((NBIN + 1))
+  echo "== test $name" | tee -a "$LOG"
+  : > "$TMP"
+  start=$SECONDS
+  "$t" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee -a "$LOG" "$TMP"
+  rc=${PIPESTATUS[0]}
+  # Sum every "test result: ... N passed; N failed; N ignored; ..." line of this binary.
+  read -r p f s n < <(awk '/^test result:/ {
+      n++
+      for (i = 2; i <= NF; i++) {
+        if ($i ~ /^passed;?$/) p += $(i - 1)
+        if ($i ~ /^failed;?$/) f += $(i - 1)
+        if ($i ~ /^ignored;?$/) s += $(i - 1)
+      }
+    } END { printf "%d %d %d %d\n", p, f, s, n }' "$TMP")
+  note=""
+  if [ "$n" -eq 0 ]; then
+    f=$((f + 1)); note=" (no test result line: exit status $rc; counted as 1 failure)"
+  elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    f=1; note=" (exit status $rc with no failed test; counted as 1 failure)"
+  fi
+  TOTAL_P=$((TOTAL_P + p)); TOTAL_F=$((TOTAL_F + f)); TOTAL_S=$((TOTAL_S + s))
+  SUMMARY+=("  $name: $p passed, $f failed, $s skipped in $((SECONDS - start))s$note")
+done
+if [ "$NBIN" -eq 0 ] && [ "$SKIP_TESTS" -eq 0 ]; then
+  echo "error: no test binaries under $B/bin/tests" | tee -a "$LOG"
+  TOTAL_F=$((TOTAL_F + 1))
+fi
+TEST_LINE="$TOTAL_P passed, $TOTAL_F failed, $TOTAL_S skipped"
+[ "$SKIP_TESTS" -eq 0 ] || TEST_LINE="$TEST_LINE (tests not run: --skip-tests)"
+{
+  echo "== test summary ($NBIN binaries)"
+  for l in ${SUMMARY[@]+"${SUMMARY[@]}"}; do echo "$l"; done
+  echo "$TEST_LINE"
+} | tee -a "$LOG"
+
+STATUS=0
+[ "$TOTAL_F" -eq 0 ] || STATUS=1
+if [ "$TESTS_ONLY" -eq 1 ]; then
+  exit "$STATUS"
+fi
+
+# --- examples, benches, PyTorch anchors -----------------------------------------------------------
+EXTRA=()
+for e in "$B"/bin/examples/*; do
+  [ -f "$e" ] && [ -x "$e" ] || continue
+  name="$(basename "$e")"
+  echo "== example $name" | tee -a "$XLOG"
+  "$e" 2>&1 | tee -a "$XLOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then STATUS=1; EXTRA+=("  example $name: FAILED (exit status $rc)"); else EXTRA+=("  example $name: ok"); fi
+done
+
+rm -f "$BENCH_JSON"
+for b in "$B"/bin/benches/*; do
+  [ -f "$b" ] && [ -x "$b" ] || continue
+  name="$(basename "$b")"
+  echo "== bench $name (KERNELS_BENCH_JSON=$BENCH_JSON)" | tee -a "$BLOG"
+  KERNELS_BENCH_JSON="$BENCH_JSON" "$b" --bench 2>&1 | tee -a "$BLOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then STATUS=1; EXTRA+=("  bench $name: FAILED (exit status $rc)"); else EXTRA+=("  bench $name: ok"); fi
+done
+
+if [ -f "$B/torch_baselines.py" ]; then
+  rm -f "$TORCH_JSON"
+  echo "== torch baselines: python3 $B/torch_baselines.py $TORCH_JSON" | tee -a "$TLOG"
+  python3 "$B/torch_baselines.py" "$TORCH_JSON" 2>&1 | tee -a "$TLOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then EXTRA+=("  torch_baselines.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  torch_baselines.py: $TORCH_JSON"); fi
+fi
+
+ANCHORS=""
+for c in "$B/anchors.py" shared/anchors.py ../shared/anchors.py; do
+  if [ -f "$c" ]; then ANCHORS="$c"; break; fi
+done
+if [ "$ANCHORS_ON" -eq 0 ]; then
+  EXTRA+=("  anchors: not run (--no-anchors)")
+elif [ -n "$ANCHORS" ]; then
+  rm -f "$ANCHORS_JSON"
+  echo "== anchors: python3 $ANCHORS $ANCHORS_JSON" | tee -a "$ALOG"
+  python3 "$ANCHORS" "$ANCHORS_JSON" 2>&1 | tee -a "$ALOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then EXTRA+=("  anchors: FAILED (exit status $rc; not counted)"); else EXTRA+=("  anchors: $ANCHORS_JSON"); fi
+else
+  EXTRA+=("  anchors: no shared/anchors.py or ../shared/anchors.py (run from the repository root)")
+fi
+
+if [ -f "$B/compare.py" ]; then
+  if [ -f "$BENCH_JSON" ] && [ -f "$TORCH_JSON" ]; then
+    CMP=("$BENCH_JSON" "$TORCH_JSON")
+    [ ! -f "$ANCHORS_JSON" ] || CMP+=("$ANCHORS_JSON")
+    echo "== compare: python3 $B/compare.py ${CMP[*]}" | tee -a "$CLOG"
+    python3 "$B/compare.py" "${CMP[@]}" 2>&1 | tee -a "$CLOG"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then EXTRA+=("  compare.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  compare.py: ok"); fi
+  else
+    EXTRA+=("  compare.py: not run (needs $BENCH_JSON and $TORCH_JSON)")
+  fi
+fi
+
+echo "== summary"
+for l in ${EXTRA[@]+"${EXTRA[@]}"}; do echo "$l"; done
+for l in ${SUMMARY[@]+"${SUMMARY[@]}"}; do echo "$l"; done
+echo "$TEST_LINE"
+exit "$STATUS"
