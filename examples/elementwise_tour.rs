@@ -352,14 +352,20 @@ impl Tour {
         self.case(name, dt, "bwd", 3 * N as u64, &mut run, &|_, i| gh[i] as f64 * unary_d(op, xh[i] as f64))
     }
 
+    /// The second operand: positive for `div` (the normal draws include exact zeros, whose
+    /// quotients are infinite), normal otherwise.
+    fn operand(&mut self, op: BinaryOp, dt: DType) -> Result<(Tensor, Vec<f32>)> {
+        if op == BinaryOp::Div { self.positive(dt) } else { self.normal(dt) }
+    }
+
     fn binary_fwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
-        let ((a, ah), (b, bh)) = (self.normal(dt)?, self.normal(dt)?);
+        let ((a, ah), (b, bh)) = (self.normal(dt)?, self.operand(op, dt)?);
         let mut run = || Ok(vec![ops::binary(&a, &b, op)?]);
         self.case(name, dt, "fwd", 3 * N as u64, &mut run, &|_, i| binary_f(op, ah[i] as f64, bh[i] as f64))
     }
 
     fn binary_bwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
-        let ((a, ah), (b, bh), (g, gh)) = (self.normal(dt)?, self.normal(dt)?, self.normal(dt)?);
+        let ((a, ah), (b, bh), (g, gh)) = (self.normal(dt)?, self.operand(op, dt)?, self.normal(dt)?);
         let mut run = || {
             let (ga, gb) = ops::binary_backward(&a, &b, &g, op)?;
             Ok(vec![ga, gb])

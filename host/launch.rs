@@ -17,11 +17,16 @@ pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: 
         return None;
     }
     let nv = n / vec;
-    let wave = sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64 * BLOCK as u64;
+    let sms = sm_count.max(1) as u64;
+    let wave = sms * blocks_per_sm.max(1) as u64 * BLOCK as u64;
     let threads = if nv.div_ceil(unroll) >= wave { nv.div_ceil(unroll) } else { nv.min(wave) };
     let threads = threads.max(n % vec).max(1);
-    let grid = threads.div_ceil(BLOCK as u64).min(i32::MAX as u64) as u32;
-    Some(LaunchConfig { grid: (grid, 1, 1), block: (BLOCK, 1, 1), shared_bytes: 0 })
+    // Below a wave, smaller blocks (down to one warp) put the work on every SM rather than on
+    // a few full ones: 2^16 f32 elements are 128 blocks of 128 threads instead of 64 of 256.
+    let block =
+        if threads >= wave { BLOCK as u64 } else { threads.div_ceil(sms).next_multiple_of(32).clamp(32, BLOCK as u64) };
+    let grid = threads.div_ceil(block).min(i32::MAX as u64) as u32;
+    Some(LaunchConfig { grid: (grid, 1, 1), block: (block as u32, 1, 1), shared_bytes: 0 })
 }
 
 /// Grid of a column-reduction kernel over a `rows x cols` matrix: `32 x 8` blocks, `grid.x`
@@ -71,9 +76,12 @@ mod tests {
                     // grid hit its limit (then the grid-stride loop does).
                     assert!(threads >= n % vec, "n={n} vec={vec}");
                     assert!(threads * unroll >= nv || c.grid.0 == i32::MAX as u32, "n={n} vec={vec} unroll={unroll}");
-                    // Small tensors: one vector per thread, up to a wave.
+                    // Small tensors: one vector per thread, up to a wave, in blocks of at least
+                    // a warp that spread over the SMs.
                     if nv <= wave {
                         assert!(threads >= nv && threads < nv.max(n % vec).max(1) + 256);
+                        assert!(c.block.0.is_multiple_of(32) && (32..=256).contains(&c.block.0));
+                        assert!(c.grid.0 as u64 >= (nv / 256).min(132), "n={n} vec={vec}: grid {:?}", c.grid);
                     }
                 }
             }

@@ -77,7 +77,9 @@ for tool in "${TOOLS[@]}"; do
     rc=${PIPESTATUS[0]}
     # Show the sanitizer's own findings and the test verdicts, not every passing test line.
     grep -E '^=========|^test result:|FAILED|panicked' "$TMP" | head -n 200
-    errs="$(sed -nE 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$TMP" | tail -n 1)"
+    # memcheck and synccheck print "ERROR SUMMARY: N errors"; racecheck prints
+    # "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
+    errs="$(sed -nE 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/p; s/.*RACECHECK SUMMARY: .*\(([0-9]+) error.*/\1/p' "$TMP" | tail -n 1)"
     tests="$(grep -E '^test result:' "$TMP" | tail -n 1 | sed -E 's/^test result: //; s/; [0-9]+ measured.*//')"
     line="$tool $name: ${errs:-?} errors; tests: ${tests:-no result line}; $((SECONDS - start))s"
     if [ "$rc" -ne 0 ] || [ "${errs:-0}" != 0 ]; then
