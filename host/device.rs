@@ -47,6 +47,8 @@ struct Kernel {
     func: sys::CUfunction,
     /// Resident blocks per SM at 256 threads: the grid-stride kernels launch one full wave.
     blocks_per_sm_256: u32,
+    /// The largest block it can be launched with (`CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK`).
+    max_threads: u32,
 }
 
 struct Inner {
@@ -54,6 +56,8 @@ struct Inner {
     name: String,
     compute_capability: (i32, i32),
     sm_count: u32,
+    /// Opt-in maximum of dynamic shared memory per block, in bytes.
+    max_shared: u32,
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     module: sys::CUmodule,
@@ -180,6 +184,38 @@ impl Device {
     pub(crate) fn blocks_per_sm_256(&self, kernel: &str) -> Result<u32> {
         let i = self.kernel_index(kernel)?;
         Ok(self.0.kernels[i].blocks_per_sm_256)
+    }
+
+    /// Resident blocks per SM of `kernel` launched with `threads` threads and `smem` bytes of
+    /// dynamic shared memory (at least 1).
+    pub(crate) fn blocks_per_sm(&self, kernel: &str, threads: u32, smem: u32) -> Result<u32> {
+        let i = self.kernel_index(kernel)?;
+        self.bind()?;
+        let mut blocks = 0i32;
+        // SAFETY: the function belongs to this device's module; the out-pointer is a local.
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut blocks,
+                self.0.kernels[i].func,
+                threads as i32,
+                smem as usize,
+            )
+            .result()
+            .map_err(|e| driver("occupancy", e))?;
+        }
+        Ok(blocks.max(1) as u32)
+    }
+
+    /// Dynamic shared memory a block may use (the opt-in maximum, which every kernel is
+    /// allowed at load).
+    pub(crate) fn max_shared_bytes(&self) -> u32 {
+        self.0.max_shared
+    }
+
+    /// The largest block `kernel` can be launched with.
+    pub(crate) fn max_threads(&self, kernel: &str) -> Result<u32> {
+        let i = self.kernel_index(kernel)?;
+        Ok(self.0.kernels[i].max_threads)
     }
 
     fn kernel_index(&self, name: &str) -> Result<usize> {
@@ -425,6 +461,7 @@ impl Inner {
             });
         }
         let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let max_shared = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32;
         // SAFETY: retaining the primary context of a valid device; released in Drop.
         let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| driver(op, e))?;
         // SAFETY: ctx was just retained.
@@ -463,14 +500,44 @@ impl Inner {
                     .result()
                     .map_err(|e| driver(op, e))?;
             }
+            // Beyond 48 KiB of dynamic shared memory a kernel must opt in; all do, to the
+            // device's limit (the norms' backward keeps column sums there).
+            // SAFETY: as above.
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    func,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_shared as i32,
+                )
+                .result()
+                .map_err(|e| driver(op, e))?;
+            }
+            // The largest block this kernel can be launched with (its registers decide).
+            let mut max_threads = 0i32;
+            // SAFETY: as above.
+            unsafe {
+                sys::cuFuncGetAttribute(
+                    &mut max_threads,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                    func,
+                )
+                .result()
+                .map_err(|e| driver(op, e))?;
+            }
             by_name.insert(name.clone(), kernels.len());
-            kernels.push(Kernel { name, func, blocks_per_sm_256: blocks.max(1) as u32 });
+            kernels.push(Kernel {
+                name,
+                func,
+                blocks_per_sm_256: blocks.max(1) as u32,
+                max_threads: max_threads.max(0) as u32,
+            });
         }
         Ok(Inner {
             ordinal,
             name,
             compute_capability,
             sm_count,
+            max_shared,
             ctx,
             stream,
             module,

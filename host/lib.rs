@@ -33,4 +33,4 @@ pub mod tensor;
 pub use device::{Device, Event, device_count};
 pub use error::{Error, Result};
 pub use kernels_gpu::DType;
-pub use tensor::{Element, Tensor};
+pub use tensor::{Element, IndexTensor, Tensor};

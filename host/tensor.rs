@@ -232,3 +232,74 @@ impl Tensor {
         self.buf.ptr() as *mut T
     }
 }
+
+/// A contiguous tensor of `i64` indices on a GPU: class targets of a cross-entropy, results of
+/// an argmax (PyTorch's `int64` index tensors). Kept apart from [`Tensor`], whose dtypes are
+/// the floating-point ones every op computes on, so an op cannot be handed indices by mistake.
+pub struct IndexTensor {
+    buf: DeviceBuffer,
+    shape: Vec<usize>,
+}
+
+impl std::fmt::Debug for IndexTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IndexTensor({:?}, cuda:{})", self.shape, self.device().ordinal())
+    }
+}
+
+impl IndexTensor {
+    /// Copies `data` (row-major, `shape`'s element count) to the device.
+    pub fn from_slice(dev: &Device, data: &[i64], shape: &[usize]) -> Result<IndexTensor> {
+        let op = "IndexTensor::from_slice";
+        let n = numel(op, shape)?;
+        if n != data.len() {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("shape {shape:?} holds {n} elements but the slice has {}", data.len()),
+            });
+        }
+        let mut t = Self::alloc(op, dev, shape)?;
+        t.buf.copy_from_host(data)?;
+        Ok(t)
+    }
+
+    /// All zeros.
+    pub fn zeros(dev: &Device, shape: &[usize]) -> Result<IndexTensor> {
+        let mut t = Self::alloc("IndexTensor::zeros", dev, shape)?;
+        t.buf.memset(0)?;
+        Ok(t)
+    }
+
+    /// Uninitialised indices (written by the op that allocates them).
+    pub(crate) fn alloc(op: &'static str, dev: &Device, shape: &[usize]) -> Result<IndexTensor> {
+        let n = numel(op, shape)?;
+        let bytes = n
+            .checked_mul(8)
+            .ok_or_else(|| Error::InvalidArgument { op, message: format!("shape {shape:?} of i64 is too large") })?;
+        Ok(IndexTensor { buf: dev.alloc(op, bytes)?, shape: shape.to_vec() })
+    }
+
+    /// Copies the indices back.
+    pub fn to_vec(&self) -> Result<Vec<i64>> {
+        let mut v = vec![0i64; self.numel()];
+        self.buf.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn device(&self) -> &Device {
+        self.buf.device()
+    }
+    pub fn numel(&self) -> usize {
+        self.buf.bytes() / 8
+    }
+
+    pub(crate) fn dev_ptr(&self) -> *const i64 {
+        self.buf.ptr() as *const i64
+    }
+    pub(crate) fn dev_ptr_mut(&mut self) -> *mut i64 {
+        self.buf.ptr() as *mut i64
+    }
+}

@@ -49,7 +49,40 @@ pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) ->
     if !ptx.contains(".entry") {
         return Err(format!("{} holds no kernel entry points", out.display()));
     }
+    std::fs::write(out, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     Ok(())
+}
+
+/// The largest block a kernel is launched with, where ptxas must know it: rustc has no
+/// `__launch_bounds__`, so the directive is added to the PTX here. Kernels named `*_v4_*` and
+/// `*_v8_*` are register-resident row kernels with four or eight vectors per thread
+/// (kernels-gpu/src/rows.rs) that hold the longest rows in blocks of up to 1024 threads, which
+/// leaves 64 registers a thread. Without `.maxntid`, ptxas may give them more (the bf16 softmax
+/// backward took 92 after an unrelated change) and the 1024-thread launch is then refused, which
+/// sends those rows to the slower streaming kernel. The norms' backward is the exception: it
+/// keeps column sums in registers, needs far more than 64, and is launched with what it has.
+pub fn launch_bound(kernel: &str) -> Option<u32> {
+    let wide = kernel.contains("_v4_") || kernel.contains("_v8_");
+    (wide && !kernel.contains("norm_bwd")).then_some(1024)
+}
+
+/// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`].
+pub fn add_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 4096);
+    let mut pending: Option<u32> = None;
+    for line in ptx.lines() {
+        if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
+            let name = rest.split('(').next().unwrap_or(rest).trim();
+            pending = launch_bound(name);
+        }
+        out.push_str(line);
+        out.push('\n');
+        if let (Some(n), ")") = (pending, line.trim()) {
+            out.push_str(&format!(".maxntid {n}, 1, 1\n"));
+            pending = None;
+        }
+    }
+    out
 }
 
 #[allow(dead_code)]

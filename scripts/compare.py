@@ -2,7 +2,7 @@
 """Compares the element-wise bench with its PyTorch baselines.
 
     KERNELS_BENCH_JSON=ours.json cargo bench --bench elementwise
-    python3 benches/torch_baselines.py torch.json
+    python3 benches/torch_elementwise.py torch.json
     python3 /work/shared/anchors.py anchors.json          # optional, for context
     python3 scripts/compare.py ours.json torch.json [anchors.json]
 

@@ -37,7 +37,7 @@ fn ptx_kernels() -> BTreeMap<String, usize> {
 }
 
 /// Every kernel the host can launch, with the arity of the signature it launches it with.
-fn host_kernels() -> BTreeMap<&'static str, usize> {
+fn host_kernels() -> BTreeMap<String, usize> {
     fn arity<A: Params>() -> usize {
         A::ARITY
     }
@@ -78,26 +78,31 @@ fn host_kernels() -> BTreeMap<&'static str, usize> {
                 arity::<RandomArgs<BF16>>(),
             ),
         };
+        let mut put = |name: &str, n: usize| m.insert(name.to_string(), n);
         for u in Unary::ALL {
-            m.insert(u.fwd(dt), u_f);
-            m.insert(u.bwd(dt), u_b);
+            put(u.fwd(dt), u_f);
+            put(u.bwd(dt), u_b);
         }
         for b in Binary::ALL {
-            m.insert(b.fwd(dt), b_f);
-            m.insert(b.bwd(dt), b_b);
-            m.insert(b.row_fwd(dt), r_f);
-            m.insert(b.row_bwd(dt), r_b);
+            put(b.fwd(dt), b_f);
+            put(b.bwd(dt), b_b);
+            put(b.row_fwd(dt), r_f);
+            put(b.row_bwd(dt), r_b);
         }
         for a in Activation::ALL {
-            m.insert(a.fwd(dt), r_f);
-            m.insert(a.bwd(dt), r_b);
+            put(a.fwd(dt), r_f);
+            put(a.bwd(dt), r_b);
         }
-        m.insert(colsum_finish_kernel(dt), c);
-        m.insert(fill_kernel(dt), fl);
-        m.insert(uniform_kernel(dt), rnd);
-        m.insert(normal_kernel(dt), rnd);
+        put(colsum_finish_kernel(dt), c);
+        put(fill_kernel(dt), fl);
+        put(uniform_kernel(dt), rnd);
+        put(normal_kernel(dt), rnd);
     }
-    m.insert("math_probe_f32", arity::<MathProbeArgs>());
+    m.insert("math_probe_f32".into(), arity::<MathProbeArgs>());
+    // The row families list their own (softmax, norms, cross-entropy, reductions, transpose).
+    for (name, n) in kernels::ops::row_family_kernels() {
+        assert!(m.insert(name.clone(), n).is_none(), "`{name}` listed twice");
+    }
     m
 }
 
@@ -106,13 +111,13 @@ fn ptx_has_exactly_the_kernels_the_host_launches_with_their_arity() {
     let ptx = ptx_kernels();
     let host = host_kernels();
     for (name, n) in &host {
-        match ptx.get(*name) {
+        match ptx.get(name) {
             None => panic!("the host launches `{name}`, which the PTX does not have"),
             Some(p) => assert_eq!(p, n, "`{name}`: {p} parameters in the PTX, {n} in the host's signature"),
         }
     }
     for name in ptx.keys() {
-        assert!(host.contains_key(name.as_str()), "PTX kernel `{name}` is never launched by the host");
+        assert!(host.contains_key(name), "PTX kernel `{name}` is never launched by the host");
     }
     assert!(ptx.len() > 250, "only {} kernels", ptx.len());
 }
@@ -174,4 +179,24 @@ fn a_missing_gpu_is_an_error_not_a_panic() {
     }
     // Asking for a device that cannot exist is an error either way.
     assert!(matches!(Device::cuda(1 << 20), Err(Error::NoDriver { .. } | Error::NoDevice { .. })));
+}
+
+/// Kernels launched with 1024-thread blocks carry `.maxntid` (rustc has no `__launch_bounds__`;
+/// the build adds it), so that ptxas fits them in 64 registers.
+#[test]
+fn register_resident_row_kernels_have_launch_bounds() {
+    let ptx = ptx();
+    let mut seen = 0;
+    let mut lines = ptx.lines();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix(".visible .entry ") else { continue };
+        let name = rest.split('(').next().unwrap().trim();
+        if !name.contains("_v8_") {
+            continue;
+        }
+        let after: Vec<&str> = lines.by_ref().skip_while(|l| l.trim() != ")").take(2).collect();
+        assert_eq!(after.get(1).map(|l| l.trim()), Some(".maxntid 1024, 1, 1"), "`{name}` has no .maxntid");
+        seen += 1;
+    }
+    assert!(seen >= 2, "expected the f32 softmax and rms norm kernels with eight vectors per thread");
 }

@@ -2,11 +2,33 @@
 //! `kernels-gpu/src/`. Every op validates devices, dtypes and shapes before it launches, and
 //! returns an error naming itself and the offending shapes otherwise.
 
+pub mod cross_entropy;
 pub mod elementwise;
 pub mod init;
 pub mod mathprobe;
+pub mod norm;
+pub mod reduce;
+pub mod softmax;
+pub mod transpose;
 
+pub use cross_entropy::*;
 pub use elementwise::*;
+pub use norm::*;
+pub use reduce::*;
+pub use softmax::*;
+pub use transpose::*;
+
+/// Every kernel the row-operation families launch (softmax, norms, cross-entropy, reductions,
+/// transpose), with the parameter count of the signature the host launches it with; checked
+/// against the PTX by `tests/cpu.rs`.
+pub fn row_family_kernels() -> Vec<(String, usize)> {
+    let mut v = softmax::launched_kernels();
+    v.extend(norm::launched_kernels());
+    v.extend(cross_entropy::launched_kernels());
+    v.extend(reduce::launched_kernels());
+    v.extend(transpose::launched_kernels());
+    v
+}
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -32,6 +54,69 @@ macro_rules! with_elem {
     };
 }
 pub(crate) use with_elem;
+
+/// How a row kernel runs: its name and launch.
+pub(crate) struct RowPlan {
+    pub kernel: String,
+    pub cfg: crate::device::LaunchConfig,
+    /// Vectors per thread of the register-resident kernel, `None` for the streaming one.
+    pub v: Option<usize>,
+}
+
+/// Chooses between the register-resident instances of the row kernel `stem` (`<stem>_v<V>_<dt>`,
+/// `V` from `avail`) and its streaming one (`<stem>_stream_<dt>`) for `rows` rows of `cols`
+/// elements of `dt`: registers when the rows are whole 16-byte vectors, short enough, and the
+/// kernel's registers allow the block (see `kernels-gpu/src/rows.rs`); `wide` as in
+/// [`crate::launch::reg_vectors`]. `None` if `rows` is 0.
+pub(crate) fn row_plan(
+    dev: &crate::Device,
+    stem: &str,
+    dt: kernels_gpu::DType,
+    rows: u64,
+    cols: u64,
+    avail: &[usize],
+    wide: bool,
+) -> Result<Option<RowPlan>> {
+    use crate::launch;
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    let sfx = dt.suffix();
+    if rows == 0 {
+        return Ok(None);
+    }
+    if cols > 0
+        && cols.is_multiple_of(vec)
+        && let Some(v) = launch::reg_vectors(cols / vec, avail, wide)
+    {
+        let g = launch::group_size(cols / vec, v as u64);
+        let kernel = format!("{stem}_v{v}_{sfx}");
+        if launch::rows_fit_grid(rows, g)
+            && let Some(cfg) = launch::rows(rows, g)
+            && cfg.block.0 * cfg.block.1 <= dev.max_threads(&kernel)?
+        {
+            return Ok(Some(RowPlan { kernel, cfg, v: Some(v) }));
+        }
+    }
+    // Streaming: about four vectors per thread per pass, up to 1024 threads per row. (Sixteen,
+    // i.e. 512 threads and two rows per SM, measured slower on the H100: 1829 against 2073 GB/s
+    // for the f32 softmax backward at 4096 x 32768, 1741 against 1844 for layer norm.)
+    let kernel = format!("{stem}_stream_{sfx}");
+    let max = dev.max_threads(&kernel)? / 32 * 32;
+    let g = launch::group_size(cols.div_ceil(vec), 4).min(max.max(32));
+    let cfg = launch::rows(rows, g).expect("rows > 0");
+    Ok(Some(RowPlan { kernel, cfg, v: None }))
+}
+
+/// `x` must have at least one dimension; returns `(rows, cols)` over the last one.
+pub(crate) fn rows_cols(op: &'static str, x: &Tensor) -> Result<(u64, u64)> {
+    let Some(&cols) = x.shape().last() else {
+        return Err(Error::InvalidArgument {
+            op,
+            message: "needs a tensor with at least one dimension, got a scalar".into(),
+        });
+    };
+    let rows = x.numel().checked_div(cols).unwrap_or(0);
+    Ok((rows as u64, cols as u64))
+}
 
 pub(crate) fn check_same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.device() != b.device() {

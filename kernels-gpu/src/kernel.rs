@@ -24,6 +24,8 @@ pub trait Params {
     type P7;
     type P8;
     type P9;
+    type P10;
+    type P11;
 }
 
 /// A parameter tuple the host can hand to `cuLaunchKernel`.
@@ -33,18 +35,22 @@ pub trait Params {
 pub unsafe trait KernelArgs: Params {
     /// Pointers to each field, as `cuLaunchKernel`'s `kernelParams` wants them. The pointers are
     /// valid while `self` is borrowed.
-    fn param_ptrs(&self) -> [*mut core::ffi::c_void; 10];
+    fn param_ptrs(&self) -> [*mut core::ffi::c_void; MAX_PARAMS];
 }
 
 /// Parameter types: all plain `Copy` values whose layout matches the PTX `.param` of the same
-/// size (pointers and `u64` are `.u64`, `u32`/`i32`/`f32` are 4 bytes).
+/// size (pointers, `u64` and `i64` are 8 bytes, `u32`/`i32`/`f32` are 4 bytes).
 pub trait Param: Copy {}
 impl<T> Param for *const T {}
 impl<T> Param for *mut T {}
 impl Param for u64 {}
 impl Param for u32 {}
 impl Param for i32 {}
+impl Param for i64 {}
 impl Param for f32 {}
+
+/// The most parameters a kernel takes.
+pub const MAX_PARAMS: usize = 12;
 
 /// Stands in for the unused positions of [`Params`].
 pub enum Unused {}
@@ -53,12 +59,12 @@ macro_rules! impl_params {
     ($n:expr; $($T:ident $i:tt),*; $($U:ident),*) => {
         impl<$($T: Param),*> Params for ($($T,)*) {
             const ARITY: usize = $n;
-            impl_params!(@assoc [$($T)*] [$($U)*] [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9]);
+            impl_params!(@assoc [$($T)*] [$($U)*] [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11]);
         }
         unsafe impl<$($T: Param),*> KernelArgs for ($($T,)*) {
             #[allow(unused_mut)]
-            fn param_ptrs(&self) -> [*mut core::ffi::c_void; 10] {
-                let mut p = [core::ptr::null_mut(); 10];
+            fn param_ptrs(&self) -> [*mut core::ffi::c_void; MAX_PARAMS] {
+                let mut p = [core::ptr::null_mut(); MAX_PARAMS];
                 $( p[$i] = (&self.$i) as *const $T as *mut core::ffi::c_void; )*
                 p
             }
@@ -85,6 +91,8 @@ impl_params!(7; A 0, B 1, C 2, D 3, E 4, F 5, G 6; );
 impl_params!(8; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7; );
 impl_params!(9; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8; );
 impl_params!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9; );
+impl_params!(11; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10; );
+impl_params!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11; );
 
 /// Defines a kernel whose parameter list is the tuple type `$args`.
 ///
@@ -98,7 +106,7 @@ impl_params!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9; );
 macro_rules! kernel {
     ($name:ident : $args:ty = |$($p:ident),* $(,)?| $body:expr) => {
         $crate::kernel!(@zip $name; $args; $body; [];
-            [$($p)*]; [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9]);
+            [$($p)*]; [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11]);
         const _: () = assert!(
             <$args as $crate::kernel::Params>::ARITY == [$(stringify!($p)),*].len(),
             concat!("kernel `", stringify!($name), "` names a different number of parameters than its signature")

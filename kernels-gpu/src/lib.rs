@@ -14,6 +14,7 @@
 // (an outlined closure gets its captures through local memory).
 #![cfg_attr(target_arch = "nvptx64", feature(stmt_expr_attributes))]
 
+pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
 pub mod fastmath;
@@ -21,9 +22,14 @@ pub mod init;
 pub mod kernel;
 pub mod math;
 pub mod mathprobe;
+pub mod norm;
 pub mod ops;
 #[cfg(target_arch = "nvptx64")]
 pub mod prim;
+pub mod reduce;
+pub mod rows;
+pub mod softmax;
+pub mod transpose;
 
 pub use dtype::{BF16, DType, Elem, F16};
 

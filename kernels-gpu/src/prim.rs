@@ -74,10 +74,11 @@ pub fn sync_threads() {
     unsafe { nvptx::_syncthreads() }
 }
 
-/// Butterfly exchange across the full warp. All 32 lanes must execute it (mask 0xffffffff).
+/// Butterfly exchange across the full warp: lane `l` gets lane `l ^ lane_mask`'s value. All 32
+/// lanes must execute it (mask 0xffffffff).
 #[inline(always)]
-pub fn shfl_xor_f32(v: f32, lane_mask: u32) -> f32 {
-    let out: f32;
+pub fn shfl_xor_u32(v: u32, lane_mask: u32) -> u32 {
+    let out: u32;
     // SAFETY: `shfl.sync` with a full member mask; all callers run it warp-converged.
     unsafe {
         asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, 0xffffffff;",
@@ -85,6 +86,26 @@ pub fn shfl_xor_f32(v: f32, lane_mask: u32) -> f32 {
              options(nomem, nostack, preserves_flags));
     }
     out
+}
+
+/// [`shfl_xor_u32`] of an f32's bits (exact: the bits move, no arithmetic).
+#[inline(always)]
+pub fn shfl_xor_f32(v: f32, lane_mask: u32) -> f32 {
+    f32::from_bits(shfl_xor_u32(v.to_bits(), lane_mask))
+}
+
+/// Every lane gets lane `src`'s value (a broadcast when `src` is the same for all). All 32 lanes
+/// must execute it.
+#[inline(always)]
+pub fn shfl_idx_f32(v: f32, src: u32) -> f32 {
+    let out: u32;
+    // SAFETY: as `shfl_xor_u32`.
+    unsafe {
+        asm!("shfl.sync.idx.b32 {o}, {v}, {s}, 0x1f, 0xffffffff;",
+             o = out(reg32) out, v = in(reg32) v.to_bits(), s = in(reg32) src,
+             options(nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(out)
 }
 
 /// Sum over the 32 lanes of a warp; every lane gets the result. The order of additions is fixed
@@ -247,6 +268,50 @@ pub fn ex2_approx(x: f32) -> f32 {
              options(pure, nomem, nostack, preserves_flags));
     }
     y
+}
+
+/// `max(a, b)`, NaN if either is NaN (`max.NaN.f32`, sm_80+: one instruction where a compare
+/// and select would take three).
+#[inline(always)]
+pub fn max_nan(a: f32, b: f32) -> f32 {
+    let r: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("max.NaN.f32 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+/// `min(a, b)`, NaN if either is NaN (`min.NaN.f32`).
+#[inline(always)]
+pub fn min_nan(a: f32, b: f32) -> f32 {
+    let r: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("min.NaN.f32 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    r
+}
+
+/// The same 16 bytes, as values the compiler cannot see through (a `mov` it must keep).
+///
+/// For register-resident rows read twice, before and after a reduction: LLVM otherwise keeps the
+/// first pass's unpacked f32 values alive to reuse them in the second (for bf16, unpacking is a
+/// shift it would rather not redo), twice the registers of the packed row, which spilled the
+/// bf16 softmax backward under its 64-register bound.
+#[inline(always)]
+pub fn opaque(v: [u32; 4]) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: register moves only. Not `pure`, so that it is neither merged nor removed.
+    unsafe {
+        asm!("mov.b32 {a}, {i0}; mov.b32 {b}, {i1}; mov.b32 {c}, {i2}; mov.b32 {d}, {i3};",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             i0 = in(reg32) v[0], i1 = in(reg32) v[1], i2 = in(reg32) v[2], i3 = in(reg32) v[3],
+             options(nomem, nostack, preserves_flags));
+    }
+    [a, b, c, d]
 }
 
 /// Stops the kernel with an error the host sees as a launch failure. Used by the panic handler

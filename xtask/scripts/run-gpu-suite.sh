@@ -6,16 +6,17 @@
 #  1. unless --skip-tests: every test binary (bin/tests/*), tests in parallel, with
 #     KERNELS_REQUIRE_GPU=1 (a missing GPU fails every test instead of skipping it); TEST ARGS
 #     (e.g. a name filter) are passed on;
-#  2. unless --tests-only: every example (bin/examples/*); every bench (bin/benches/* --bench,
-#     with KERNELS_BENCH_JSON=RES/bench.json); the bundle's torch_baselines.py (to RES/torch.json);
+#  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
+#     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
+#     (to RES/torch-NAME.json);
 #     unless --no-anchors, PyTorch's reference figures (the bundle's anchors.py, copied from
 #     shared/, else shared/anchors.py or ../shared/anchors.py,
-#     to RES/anchors.json); then the bundle's compare.py: `python3 compare.py RES/bench.json
-#     RES/torch.json [RES/anchors.json]`.
+#     to RES/anchors.json); then for each bench the bundle's compare.py: `python3 compare.py
+#     RES/bench-NAME.json RES/torch-NAME.json [RES/anchors.json]`.
 # RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log, anchors.log and
 # compare.log), else the current folder (no logs).
 # The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
-# failed (or a test binary crashed), an example or a bench failed; torch_baselines.py, anchors.py
+# failed (or a test binary crashed), an example or a bench failed; torch_NAME.py, anchors.py
 # and compare.py failures are reported but do not change it.
 set -uo pipefail
 
@@ -47,8 +48,6 @@ else
   RES="."
   LOG=/dev/null; XLOG=/dev/null; BLOG=/dev/null; TLOG=/dev/null; ALOG=/dev/null; CLOG=/dev/null
 fi
-BENCH_JSON="$RES/bench.json"
-TORCH_JSON="$RES/torch.json"
 ANCHORS_JSON="$RES/anchors.json"
 TMP="$(mktemp)"
 trap 'rm -f "$TMP"' EXIT
@@ -121,23 +120,31 @@ for e in "$B"/bin/examples/*; do
   if [ "$rc" -ne 0 ]; then STATUS=1; EXTRA+=("  example $name: FAILED (exit status $rc)"); else EXTRA+=("  example $name: ok"); fi
 done
 
-rm -f "$BENCH_JSON"
+# Each bench NAME writes RES/bench-NAME.json; its PyTorch baselines, the bundle's torch_NAME.py,
+# write RES/torch-NAME.json.
+BENCH_NAMES=()
 for b in "$B"/bin/benches/*; do
   [ -f "$b" ] && [ -x "$b" ] || continue
   name="$(basename "$b")"
-  echo "== bench $name (KERNELS_BENCH_JSON=$BENCH_JSON)" | tee -a "$BLOG"
-  KERNELS_BENCH_JSON="$BENCH_JSON" "$b" --bench 2>&1 | tee -a "$BLOG"
+  BENCH_NAMES+=("$name")
+  json="$RES/bench-$name.json"
+  rm -f "$json"
+  echo "== bench $name (KERNELS_BENCH_JSON=$json)" | tee -a "$BLOG"
+  KERNELS_BENCH_JSON="$json" "$b" --bench 2>&1 | tee -a "$BLOG"
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then STATUS=1; EXTRA+=("  bench $name: FAILED (exit status $rc)"); else EXTRA+=("  bench $name: ok"); fi
 done
 
-if [ -f "$B/torch_baselines.py" ]; then
-  rm -f "$TORCH_JSON"
-  echo "== torch baselines: python3 $B/torch_baselines.py $TORCH_JSON" | tee -a "$TLOG"
-  python3 "$B/torch_baselines.py" "$TORCH_JSON" 2>&1 | tee -a "$TLOG"
+for name in ${BENCH_NAMES[@]+"${BENCH_NAMES[@]}"}; do
+  py="$B/torch_$name.py"
+  [ -f "$py" ] || continue
+  json="$RES/torch-$name.json"
+  rm -f "$json"
+  echo "== torch baselines: python3 $py $json" | tee -a "$TLOG"
+  python3 "$py" "$json" 2>&1 | tee -a "$TLOG"
   rc=${PIPESTATUS[0]}
-  if [ "$rc" -ne 0 ]; then EXTRA+=("  torch_baselines.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  torch_baselines.py: $TORCH_JSON"); fi
-fi
+  if [ "$rc" -ne 0 ]; then EXTRA+=("  torch_$name.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  torch_$name.py: $json"); fi
+done
 
 ANCHORS=""
 for c in "$B/anchors.py" shared/anchors.py ../shared/anchors.py; do
@@ -156,16 +163,19 @@ else
 fi
 
 if [ -f "$B/compare.py" ]; then
-  if [ -f "$BENCH_JSON" ] && [ -f "$TORCH_JSON" ]; then
-    CMP=("$BENCH_JSON" "$TORCH_JSON")
-    [ ! -f "$ANCHORS_JSON" ] || CMP+=("$ANCHORS_JSON")
-    echo "== compare: python3 $B/compare.py ${CMP[*]}" | tee -a "$CLOG"
-    python3 "$B/compare.py" "${CMP[@]}" 2>&1 | tee -a "$CLOG"
-    rc=${PIPESTATUS[0]}
-    if [ "$rc" -ne 0 ]; then EXTRA+=("  compare.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  compare.py: ok"); fi
-  else
-    EXTRA+=("  compare.py: not run (needs $BENCH_JSON and $TORCH_JSON)")
-  fi
+  for name in ${BENCH_NAMES[@]+"${BENCH_NAMES[@]}"}; do
+    bj="$RES/bench-$name.json"; tj="$RES/torch-$name.json"
+    if [ -f "$bj" ] && [ -f "$tj" ]; then
+      CMP=("$bj" "$tj")
+      [ ! -f "$ANCHORS_JSON" ] || CMP+=("$ANCHORS_JSON")
+      echo "== compare $name: python3 $B/compare.py ${CMP[*]}" | tee -a "$CLOG"
+      python3 "$B/compare.py" "${CMP[@]}" 2>&1 | tee -a "$CLOG"
+      rc=${PIPESTATUS[0]}
+      if [ "$rc" -ne 0 ]; then EXTRA+=("  compare.py $name: FAILED (exit status $rc; not counted)"); else EXTRA+=("  compare.py $name: ok"); fi
+    else
+      EXTRA+=("  compare.py $name: not run (needs $bj and $tj)")
+    fi
+  done
 fi
 
 echo "== summary"

@@ -356,7 +356,7 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
         let (code, last, all) = run(&b.join("out3"), &["--skip-tests"]);
         assert_eq!(code, Some(0), "{all}");
         assert!(last.starts_with("0 passed, 0 failed, 0 skipped"), "{all}");
-        assert!(all.contains("bench e: ok") && b.join("out3").join("bench.json").is_file(), "{all}");
+        assert!(all.contains("bench e: ok") && b.join("out3").join("bench-e.json").is_file(), "{all}");
         fake_bin(&b.join("bin").join("examples"), "x", "exit 3");
         let (code, _, all) = run(&b.join("out4"), &["--skip-tests", "--no-anchors"]);
         assert_eq!(code, Some(1), "{all}");

@@ -61,7 +61,7 @@ Builds in release the test binaries, benches and examples of the `kernels` packa
     DIR/bin/tests/<name>, DIR/bin/benches/<name>, DIR/bin/examples/<name>   (stripped)
     DIR/kernels-sm_90.ptx        the PTX for sm_90 (the binaries embed their own PTX)
     DIR/*.py                     benches/*.py and scripts/*.py, if any
-    DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_baselines.py,
+    DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_NAME.py,
                                  shared/anchors.py and compare.py; run it from the repository
                                  root; --tests-only, --skip-tests, --no-anchors; results and
                                  logs under $OUT if set (see its --help)

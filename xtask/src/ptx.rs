@@ -107,6 +107,13 @@ pub fn build_ptx_cmd(o: &BuildPtxOpts) -> Result<(), String> {
     Ok(())
 }
 
+/// Spills accepted, by kernel, with the most bytes of stack frame and of spill loads each may
+/// have. Each is measured to cost less than what avoiding it costs:
+/// - `layer_norm_fwd_v8_f32`: a row of 32768 f32 in the registers of 1024 threads (64 each) plus
+///   the mean, rstd, weight and bias; 16 bytes stored and loaded once per row, against the
+///   streaming kernel's two extra reads of the row (1842 GB/s at 4096 x 32768 on the H100).
+const KNOWN_SPILLS: &[(&str, u64)] = &[("layer_norm_fwd_v8_f32", 16)];
+
 /// `ptxas` from `$PTXAS`, else PATH, else the `nvidia-cuda-nvcc-cu12` pip wheel, with where it
 /// came from. An explicit `$PTXAS` that does not exist is an error.
 pub fn find_ptxas() -> Result<Option<(PathBuf, &'static str)>, String> {
@@ -317,12 +324,18 @@ impl<'a> Report<'a> {
         s
     }
 
-    /// Every function (kernel or device function) that spills or has a stack frame.
+    /// Every function (kernel or device function) that spills or has a stack frame beyond what
+    /// [`KNOWN_SPILLS`] accepts for it.
     pub fn offenders(&self) -> Vec<String> {
         self.kernels
             .iter()
             .chain(self.others.iter())
             .filter(|f| f.stack + f.spill_stores + f.spill_loads > 0)
+            .filter(|f| {
+                !KNOWN_SPILLS
+                    .iter()
+                    .any(|&(name, bytes)| f.entry && f.name == name && f.stack.max(f.spill_loads) <= bytes)
+            })
             .map(|f| {
                 format!(
                     "{}{}: {} B stack frame, {} B spill stores, {} B spill loads",

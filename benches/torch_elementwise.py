@@ -4,7 +4,7 @@ rep=200, median: CUDA events, L2 flushed before every run), written as the same 
 as the Rust bench ({"name", "op", "dtype", "n", "direction", "bytes", "ms", "gbs"}), so that
 scripts/compare.py joins the two on (op, dtype, n, direction).
 
-    python3 benches/torch_baselines.py torch.json [REGEX]
+    python3 benches/torch_elementwise.py torch.json [REGEX]
 
 REGEX (optional) keeps only the records whose name matches, like the bench's filter.
 

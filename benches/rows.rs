@@ -1,0 +1,178 @@
+//! Row-operation benchmarks: softmax, layer norm and RMS norm (forward and backward) on the four
+//! shapes of `../shared/bench-suite.md` and a small one, log-softmax, cross-entropy forward +
+//! backward at 8192 x 32000, sums (whole tensor and along rows), and transpose. Timed by the
+//! shared harness (`benches/harness`: do_bench's method, L2 flushed before every run, medians);
+//! `benches/torch_rows.py` times PyTorch on the same cases under the same names.
+//!
+//! ```text
+//! cargo bench --bench rows                         # everything
+//! cargo bench --bench rows -- 'softmax'            # a regex over the names
+//! KERNELS_BENCH_JSON=rows.json cargo bench --bench rows
+//! ```
+//!
+//! Names: `rows/<dtype>/<fwd|bwd|fwdbwd>/<op>@<rows>x<cols>/<rows*cols>`. GB/s counts each
+//! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
+//! grad in, grad_x out); the norms likewise plus their weight, bias and per-row statistics;
+//! cross-entropy forward + backward 3N (logits read by each, the gradient written); sum N;
+//! transpose 2N.
+
+mod harness;
+
+use harness::{Case, Run, dtype_name};
+use kernels::ops::{self, CrossEntropyOpts, ReduceOp};
+use kernels::{DType, Device, IndexTensor, Result, Tensor};
+
+/// The suite's shapes, and a small one.
+const SHAPES: [(usize, usize); 5] = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)];
+
+#[derive(Clone, Copy)]
+enum Op {
+    Softmax,
+    LogSoftmax,
+    LayerNorm,
+    RmsNorm,
+    CrossEntropy,
+    SumAll,
+    SumRows,
+    Transpose,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Softmax => "softmax",
+            Op::LogSoftmax => "log_softmax",
+            Op::LayerNorm => "layer_norm",
+            Op::RmsNorm => "rms_norm",
+            Op::CrossEntropy => "cross_entropy",
+            Op::SumAll => "sum",
+            Op::SumRows => "sum_rows",
+            Op::Transpose => "transpose",
+        }
+    }
+}
+
+fn case(op: Op, dir: &'static str, dt: DType, rows: usize, cols: usize) -> Case {
+    let n = rows * cols;
+    let s = dt.size() as u64;
+    let (n64, r64, c64) = (n as u64, rows as u64, cols as u64);
+    let bytes = match (op, dir) {
+        (Op::Softmax | Op::LogSoftmax, "fwd") => 2 * n64 * s,
+        (Op::Softmax | Op::LogSoftmax, _) => 3 * n64 * s,
+        // x in, y out, weight and bias in, mean and rstd out (f32).
+        (Op::LayerNorm, "fwd") => (2 * n64 + 2 * c64) * s + 8 * r64,
+        (Op::RmsNorm, "fwd") => (2 * n64 + c64) * s + 4 * r64,
+        // x, grad in, grad_x out, weight in, statistics in, weight and bias gradients out.
+        (Op::LayerNorm, _) => (3 * n64 + 3 * c64) * s + 8 * r64,
+        (Op::RmsNorm, _) => (3 * n64 + 2 * c64) * s + 4 * r64,
+        (Op::CrossEntropy, _) => 3 * n64 * s + 8 * r64,
+        (Op::SumAll | Op::SumRows, _) => n64 * s,
+        (Op::Transpose, _) => 2 * n64 * s,
+    };
+    let opname = format!("{}@{rows}x{cols}", op.name());
+    Case {
+        name: format!("{}/{dir}/{opname}/{n}", dtype_name(dt)),
+        op: opname,
+        dtype: dtype_name(dt),
+        n,
+        dir,
+        bytes,
+        build: Box::new(move |dev, seed| build(dev, op, dir, dt, rows, cols, seed)),
+    }
+}
+
+fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, seed: u64) -> Result<Run> {
+    let x = Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed)?;
+    let g = || Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed + 1);
+    let w = Tensor::rand_normal(dev, &[cols], dt, 1.0, 0.1, seed + 2)?;
+    let b = Tensor::rand_normal(dev, &[cols], dt, 0.0, 0.1, seed + 3)?;
+    let fwd = dir == "fwd";
+    Ok(match op {
+        Op::Softmax | Op::LogSoftmax => {
+            let log = matches!(op, Op::LogSoftmax);
+            if fwd {
+                Box::new(move || Ok(vec![if log { ops::log_softmax(&x)? } else { ops::softmax(&x)? }]))
+            } else {
+                let (y, g) = (if log { ops::log_softmax(&x)? } else { ops::softmax(&x)? }, g()?);
+                Box::new(move || {
+                    Ok(vec![if log { ops::log_softmax_backward(&y, &g)? } else { ops::softmax_backward(&y, &g)? }])
+                })
+            }
+        }
+        Op::LayerNorm | Op::RmsNorm => {
+            let layer = matches!(op, Op::LayerNorm);
+            let eps = 1e-5;
+            let f = move |x: &Tensor, w: &Tensor, b: &Tensor| {
+                if layer { ops::layer_norm(x, Some(w), Some(b), eps) } else { ops::rms_norm(x, Some(w), eps) }
+            };
+            if fwd {
+                Box::new(move || {
+                    let (y, st) = f(&x, &w, &b)?;
+                    Ok([Some(y), st.mean, Some(st.rstd)].into_iter().flatten().collect())
+                })
+            } else {
+                let (_, st) = f(&x, &w, &b)?;
+                let g = g()?;
+                Box::new(move || {
+                    let gr = if layer {
+                        ops::layer_norm_backward(&x, Some(&w), true, &st, &g)?
+                    } else {
+                        ops::rms_norm_backward(&x, Some(&w), &st, &g)?
+                    };
+                    Ok([Some(gr.x), gr.weight, gr.bias].into_iter().flatten().collect())
+                })
+            }
+        }
+        Op::CrossEntropy => {
+            let t: Vec<i64> = (0..rows as u64).map(|i| ((i * 2654435761 + seed) % cols as u64) as i64).collect();
+            let t = IndexTensor::from_slice(dev, &t, &[rows])?;
+            let one = Tensor::full(dev, &[], dt, 1.0)?;
+            Box::new(move || {
+                let (loss, saved) = ops::cross_entropy(&x, &t, CrossEntropyOpts::default())?;
+                let gx = ops::cross_entropy_backward(&x, &t, &saved, &one)?;
+                Ok(vec![loss, gx])
+            })
+        }
+        Op::SumAll => Box::new(move || Ok(vec![ops::reduce(&x, ReduceOp::Sum)?])),
+        Op::SumRows => Box::new(move || Ok(vec![ops::reduce_last_dim(&x, ReduceOp::Sum)?])),
+        Op::Transpose => Box::new(move || Ok(vec![ops::transpose(&x)?])),
+    })
+}
+
+fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for dt in [DType::F32, DType::BF16] {
+        for (r, c) in SHAPES {
+            if dt == DType::BF16 && r == 64 {
+                continue;
+            }
+            for op in [Op::Softmax, Op::LayerNorm, Op::RmsNorm] {
+                v.push(case(op, "fwd", dt, r, c));
+                v.push(case(op, "bwd", dt, r, c));
+            }
+        }
+    }
+    for (r, c) in [(16384, 4096), (64, 1024)] {
+        v.push(case(Op::LogSoftmax, "fwd", DType::F32, r, c));
+        v.push(case(Op::LogSoftmax, "bwd", DType::F32, r, c));
+    }
+    for dt in [DType::F32, DType::BF16] {
+        v.push(case(Op::CrossEntropy, "fwdbwd", dt, 8192, 32000));
+    }
+    v.push(case(Op::CrossEntropy, "fwdbwd", DType::F32, 64, 1024));
+    for dt in [DType::F32, DType::BF16] {
+        v.push(case(Op::SumAll, "fwd", dt, 1 << 18, 1 << 10));
+        v.push(case(Op::SumRows, "fwd", dt, 1 << 18, 1 << 10));
+    }
+    v.push(case(Op::SumAll, "fwd", DType::F32, 64, 1024));
+    v.push(case(Op::SumRows, "fwd", DType::F32, 64, 1024));
+    for dt in [DType::F32, DType::BF16] {
+        v.push(case(Op::Transpose, "fwd", dt, 8192, 8192));
+    }
+    v.push(case(Op::Transpose, "fwd", DType::F32, 64, 1024));
+    v
+}
+
+fn main() {
+    harness::run("rows", |_| cases());
+}

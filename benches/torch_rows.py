@@ -1,0 +1,132 @@
+"""PyTorch baselines for benches/rows.rs: the same row operations, shapes, dtypes and directions,
+timed as /work/shared/anchors.py times PyTorch (triton.testing.do_bench, warmup=25, rep=200,
+median), written as the same JSON records as the Rust bench, so that scripts/compare.py joins the
+two on (op, dtype, n, direction).
+
+    python3 benches/torch_rows.py torch_rows.json [REGEX]
+
+Backward baselines are PyTorch's own backward kernels as autograd calls them:
+aten._softmax_backward_data / _log_softmax_backward_data from the forward's output,
+aten.native_layer_norm_backward from the saved mean and rstd (with weight and bias gradients),
+and, for RMS norm (a composite op in eager PyTorch), torch.autograd.grad over a retained graph.
+Cross-entropy is F.cross_entropy forward and backward (autograd) together. Bytes are counted
+as in the Rust bench.
+"""
+import json
+import re
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+aten = torch.ops.aten
+dev = "cuda"
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+SHAPES = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)]
+g_ = torch.Generator(device=dev).manual_seed(0)
+
+
+def normal(shape, dt, mean=0.0, std=1.0):
+    return (torch.randn(*shape, device=dev, dtype=torch.float32, generator=g_) * std + mean).to(dt)
+
+
+def cases():
+    out = []
+    for dt in DTYPES:
+        for r, c in SHAPES:
+            if dt == "bf16" and r == 64:
+                continue
+            for op in ["softmax", "layer_norm", "rms_norm"]:
+                out += [(op, "fwd", dt, r, c), (op, "bwd", dt, r, c)]
+    for r, c in [(16384, 4096), (64, 1024)]:
+        out += [("log_softmax", "fwd", "f32", r, c), ("log_softmax", "bwd", "f32", r, c)]
+    out += [("cross_entropy", "fwdbwd", dt, 8192, 32000) for dt in DTYPES]
+    out += [("cross_entropy", "fwdbwd", "f32", 64, 1024)]
+    for dt in DTYPES:
+        out += [("sum", "fwd", dt, 1 << 18, 1 << 10), ("sum_rows", "fwd", dt, 1 << 18, 1 << 10)]
+    out += [("sum", "fwd", "f32", 64, 1024), ("sum_rows", "fwd", "f32", 64, 1024)]
+    out += [("transpose", "fwd", dt, 8192, 8192) for dt in DTYPES]
+    out += [("transpose", "fwd", "f32", 64, 1024)]
+    return out
+
+
+def nbytes(op, direction, r, c, dt):
+    n, s = r * c, torch.finfo(DTYPES[dt]).bits // 8
+    if op in ("softmax", "log_softmax"):
+        return (2 if direction == "fwd" else 3) * n * s
+    if op == "layer_norm":
+        return (2 * n + 2 * c) * s + 8 * r if direction == "fwd" else (3 * n + 3 * c) * s + 8 * r
+    if op == "rms_norm":
+        return (2 * n + c) * s + 4 * r if direction == "fwd" else (3 * n + 2 * c) * s + 4 * r
+    if op == "cross_entropy":
+        return 3 * n * s + 8 * r
+    if op in ("sum", "sum_rows"):
+        return n * s
+    return 2 * n * s  # transpose
+
+
+def build(op, direction, dt, r, c):
+    t = DTYPES[dt]
+    x = normal((r, c), t)
+    g = normal((r, c), t)
+    w, b = normal((c,), t, 1.0, 0.1), normal((c,), t, 0.0, 0.1)
+    if op in ("softmax", "log_softmax"):
+        f = torch.softmax if op == "softmax" else torch.log_softmax
+        if direction == "fwd":
+            return lambda: f(x, -1)
+        y = f(x, -1)
+        bwd = aten._softmax_backward_data if op == "softmax" else aten._log_softmax_backward_data
+        return lambda: bwd(g, y, -1, t)
+    if op == "layer_norm":
+        if direction == "fwd":
+            return lambda: F.layer_norm(x, (c,), w, b)
+        _, mean, rstd = aten.native_layer_norm(x, [c], w, b, 1e-5)
+        return lambda: aten.native_layer_norm_backward(g, x, [c], mean, rstd, w, b, [True, True, True])
+    if op == "rms_norm":
+        if direction == "fwd":
+            return lambda: F.rms_norm(x, (c,), w, 1e-5)
+        xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        y = F.rms_norm(xr, (c,), wr, 1e-5)
+        return lambda: torch.autograd.grad(y, (xr, wr), g, retain_graph=True)
+    if op == "cross_entropy":
+        tgt = torch.randint(0, c, (r,), device=dev, generator=g_)
+        xr = x.detach().requires_grad_(True)
+
+        def run():
+            loss = F.cross_entropy(xr, tgt)
+            return torch.autograd.grad(loss, xr)
+        return run
+    if op == "sum":
+        return lambda: x.sum()
+    if op == "sum_rows":
+        return lambda: x.sum(-1)
+    return lambda: x.t().contiguous()
+
+
+def main():
+    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
+    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    rows = []
+    for op, direction, dt, r, c in cases():
+        opname = f"{op}@{r}x{c}"
+        n = r * c
+        name = f"torch/{dt}/{direction}/{opname}/{n}"
+        if keep is not None and not keep.search(name):
+            continue
+        fn = build(op, direction, dt, r, c)
+        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+        b = nbytes(op, direction, r, c, dt)
+        gbs = b / ms / 1e6
+        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs))
+        print(f"{name:56s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
+        del fn
+        torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {len(rows)} records to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+//! Cross-entropy over class indices, fused with the log-softmax (host side of
+//! `kernels-gpu/src/cross_entropy.rs`), forward and backward, as PyTorch's `F.cross_entropy`.
+
+use super::{check_same_device, check_same_dtype, with_elem};
+use crate::device::LaunchConfig;
+use crate::error::{Error, Result};
+use crate::launch;
+use crate::tensor::{IndexTensor, Tensor};
+use kernels_gpu::DType;
+use kernels_gpu::cross_entropy::{
+    CrossEntropyBwdArgs, CrossEntropyFwdArgs, CrossEntropyReduceArgs, MODE_MEAN, MODE_NONE, MODE_SUM, REDUCE_THREADS,
+};
+use kernels_gpu::kernel::Params;
+use kernels_gpu::rows::reduce_smem_bytes;
+
+/// How the per-row losses are combined, as PyTorch's `reduction`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// One loss per row.
+    None,
+    /// Their sum.
+    Sum,
+    /// Their mean over the rows whose target is not ignored (NaN when all are).
+    Mean,
+}
+
+/// The options of [`cross_entropy`], with PyTorch's defaults: mean, `ignore_index = -100`, no
+/// label smoothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CrossEntropyOpts {
+    pub reduction: Reduction,
+    pub ignore_index: i64,
+    /// In `[0, 1]`: the target distribution is `(1 - s)` on the class plus `s / C` everywhere.
+    pub label_smoothing: f32,
+}
+
+impl Default for CrossEntropyOpts {
+    fn default() -> Self {
+        CrossEntropyOpts { reduction: Reduction::Mean, ignore_index: -100, label_smoothing: 0.0 }
+    }
+}
+
+impl Reduction {
+    fn mode(self) -> u32 {
+        match self {
+            Reduction::None => MODE_NONE,
+            Reduction::Sum => MODE_SUM,
+            Reduction::Mean => MODE_MEAN,
+        }
+    }
+}
+
+/// What the forward keeps for the backward: each row's log-sum-exp (f32 `[N]`) and the number
+/// of rows not ignored (f32 `[1]`), both on the device.
+#[derive(Debug)]
+pub struct CrossEntropySaved {
+    lse: Tensor,
+    count: Tensor,
+    opts: CrossEntropyOpts,
+}
+
+fn check(op: &'static str, logits: &Tensor, target: &IndexTensor, opts: &CrossEntropyOpts) -> Result<(u64, u64)> {
+    if logits.shape().len() != 2 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("logits must be [N, C], got shape {:?}", logits.shape()),
+        });
+    }
+    let (n, c) = (logits.shape()[0], logits.shape()[1]);
+    if target.shape() != [n] {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![n],
+            got: target.shape().to_vec(),
+            detail: "one target class index per row of the logits",
+        });
+    }
+    if target.device() != logits.device() {
+        return Err(Error::DeviceMismatch { op, expected: logits.device().ordinal(), got: target.device().ordinal() });
+    }
+    if c == 0 && n > 0 {
+        return Err(Error::InvalidArgument { op, message: "logits have no classes (C = 0)".into() });
+    }
+    let s = opts.label_smoothing;
+    if !(0.0..=1.0).contains(&s) {
+        return Err(Error::InvalidArgument { op, message: format!("label_smoothing must be in [0, 1], got {s}") });
+    }
+    Ok((n as u64, c as u64))
+}
+
+/// Launch of the row kernels: a group per row, four vectors per thread per pass.
+fn plan(dt: DType, rows: u64, cols: u64) -> Option<LaunchConfig> {
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    launch::rows(rows, launch::group_size(cols.div_ceil(vec), 4))
+}
+
+/// Cross-entropy of `logits` (`[N, C]`) against class indices `target` (`[N]`), as
+/// `F.cross_entropy(logits, target, reduction=, ignore_index=, label_smoothing=)`. Returns the
+/// loss (shape `[]`, or `[N]` for [`Reduction::None`], in the logits' dtype) and what the
+/// backward needs. A target outside `[0, C)` that is not `ignore_index` is an
+/// [`Error::InvalidArgument`] naming its row (checking costs a synchronisation with the device).
+pub fn cross_entropy(
+    logits: &Tensor,
+    target: &IndexTensor,
+    opts: CrossEntropyOpts,
+) -> Result<(Tensor, CrossEntropySaved)> {
+    let op = "cross_entropy";
+    let (rows, cols) = check(op, logits, target, &opts)?;
+    let dev = logits.device();
+    let dt = logits.dtype();
+    let mut lse = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
+    let mut loss_f32 = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
+    let mut count = Tensor::alloc(op, dev, &[1], DType::F32)?;
+    let mut out = if opts.reduction == Reduction::None {
+        Tensor::alloc(op, dev, &[rows as usize], dt)?
+    } else {
+        Tensor::alloc(op, dev, &[], dt)?
+    };
+    let mut bad = IndexTensor::zeros(dev, &[1])?;
+    if let Some(cfg) = plan(dt, rows, cols) {
+        let kernel = kernels_gpu::kernel_name!("cross_entropy_fwd", dt);
+        let loss_out = if opts.reduction == Reduction::None { out.dev_ptr_mut::<u8>() } else { std::ptr::null_mut() };
+        with_elem!(dt, |T| {
+            let args: CrossEntropyFwdArgs<T> = (
+                logits.dev_ptr(),
+                target.dev_ptr(),
+                loss_f32.dev_ptr_mut(),
+                loss_out as *mut T,
+                lse.dev_ptr_mut(),
+                bad.dev_ptr_mut() as *mut u64,
+                rows,
+                cols,
+                opts.ignore_index,
+                opts.label_smoothing,
+            );
+            // SAFETY: logits hold rows * cols elements of T; target, loss, lse and (for `none`)
+            // out hold rows; bad holds one u64.
+            unsafe { dev.launch(kernel, cfg, args) }
+        })?;
+    }
+    // The count of rows not ignored is needed by the mean's backward whatever the reduction.
+    let cfg = LaunchConfig {
+        grid: (1, 1, 1),
+        block: (REDUCE_THREADS, 1, 1),
+        shared_bytes: reduce_smem_bytes(REDUCE_THREADS),
+    };
+    let kernel = kernels_gpu::kernel_name!("cross_entropy_reduce", dt);
+    let mode = opts.reduction.mode();
+    let mut scratch;
+    let red_out: *mut u8 = if opts.reduction == Reduction::None {
+        scratch = Tensor::alloc(op, dev, &[], dt)?;
+        scratch.dev_ptr_mut()
+    } else {
+        out.dev_ptr_mut()
+    };
+    with_elem!(dt, |T| {
+        let args: CrossEntropyReduceArgs<T> = (
+            loss_f32.dev_ptr(),
+            target.dev_ptr(),
+            red_out as *mut T,
+            count.dev_ptr_mut(),
+            rows,
+            opts.ignore_index,
+            mode,
+        );
+        // SAFETY: loss and target hold rows entries; the output and count one each.
+        unsafe { dev.launch(kernel, cfg, args) }
+    })?;
+    let bad_row = bad.to_vec()?[0];
+    if bad_row != 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!(
+                "target of row {} is outside [0, {cols}) and is not ignore_index ({})",
+                bad_row - 1,
+                opts.ignore_index
+            ),
+        });
+    }
+    Ok((out, CrossEntropySaved { lse, count, opts }))
+}
+
+/// Gradient of the logits of [`cross_entropy`], given the gradient of its loss (shape `[]`,
+/// or `[N]` for [`Reduction::None`]): `(softmax(x) - smoothed one-hot) * grad`, zero on ignored
+/// rows, divided by the number of rows not ignored for the mean.
+pub fn cross_entropy_backward(
+    logits: &Tensor,
+    target: &IndexTensor,
+    saved: &CrossEntropySaved,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    let op = "cross_entropy_backward";
+    let opts = saved.opts;
+    let (rows, cols) = check(op, logits, target, &opts)?;
+    check_same_device(op, logits, grad)?;
+    check_same_dtype(op, logits, grad)?;
+    let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
+    super::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
+    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
+    let dev = logits.device();
+    let dt = logits.dtype();
+    let mut gx = logits.alloc_like(op)?;
+    let Some(cfg) = plan(dt, rows, cols) else { return Ok(gx) };
+    let kernel = kernels_gpu::kernel_name!("cross_entropy_bwd", dt);
+    with_elem!(dt, |T| {
+        let args: CrossEntropyBwdArgs<T> = (
+            logits.dev_ptr(),
+            target.dev_ptr(),
+            saved.lse.dev_ptr(),
+            grad.dev_ptr(),
+            saved.count.dev_ptr(),
+            gx.dev_ptr_mut(),
+            rows,
+            cols,
+            opts.ignore_index,
+            opts.label_smoothing,
+            opts.reduction.mode(),
+        );
+        // SAFETY: logits and gx hold rows * cols elements of T; target and lse rows; grad rows
+        // (none) or one; count one.
+        unsafe { dev.launch(kernel, cfg, args) }
+    })?;
+    Ok(gx)
+}
+
+pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
+    let mut v = Vec::new();
+    for dt in DType::ALL {
+        let (f, b, r) = with_elem!(dt, |T| (
+            <CrossEntropyFwdArgs<T> as Params>::ARITY,
+            <CrossEntropyBwdArgs<T> as Params>::ARITY,
+            <CrossEntropyReduceArgs<T> as Params>::ARITY
+        ));
+        v.push((kernels_gpu::kernel_name!("cross_entropy_fwd", dt).to_string(), f));
+        v.push((kernels_gpu::kernel_name!("cross_entropy_bwd", dt).to_string(), b));
+        v.push((kernels_gpu::kernel_name!("cross_entropy_reduce", dt).to_string(), r));
+    }
+    v
+}

@@ -1,0 +1,105 @@
+//! Softmax and log-softmax along the last dimension (host side of
+//! `kernels-gpu/src/softmax.rs`), forward and backward.
+
+use super::{check_same_device, check_same_dtype, check_same_shape, row_plan, rows_cols, with_elem};
+use crate::error::Result;
+use crate::tensor::Tensor;
+use kernels_gpu::DType;
+use kernels_gpu::kernel::Params;
+use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxFwdArgs};
+
+/// Vectors per thread of the register-resident instances (see the kernel file for why f32
+/// softmax forward alone has eight).
+fn fwd_vectors(log: bool, dt: DType) -> &'static [usize] {
+    if !log && dt == DType::F32 { &[1, 2, 4, 8] } else { &[1, 2, 4] }
+}
+const BWD_VECTORS: &[usize] = &[1, 2, 4];
+
+fn stem(log: bool, dir: &str) -> String {
+    format!("{}_{dir}", if log { "log_softmax" } else { "softmax" })
+}
+
+fn forward(op: &'static str, x: &Tensor, log: bool) -> Result<Tensor> {
+    let (rows, cols) = rows_cols(op, x)?;
+    let mut y = x.alloc_like(op)?;
+    let dt = x.dtype();
+    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)? else {
+        return Ok(y);
+    };
+    with_elem!(dt, |T| {
+        let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut(), rows, cols);
+        // SAFETY: x and y hold rows * cols elements of T on this device; the plan picked a
+        // register-resident kernel only for whole-vector rows.
+        unsafe { x.device().launch(&p.kernel, p.cfg, args) }
+    })?;
+    Ok(y)
+}
+
+fn backward(op: &'static str, y: &Tensor, grad: &Tensor, log: bool) -> Result<Tensor> {
+    check_same_device(op, y, grad)?;
+    check_same_dtype(op, y, grad)?;
+    check_same_shape(op, y, grad, "grad must have the output's shape")?;
+    let (rows, cols) = rows_cols(op, y)?;
+    let mut gx = y.alloc_like(op)?;
+    let Some(p) = row_plan(y.device(), &stem(log, "bwd"), y.dtype(), rows, cols, BWD_VECTORS, true)? else {
+        return Ok(gx);
+    };
+    with_elem!(y.dtype(), |T| {
+        let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), rows, cols);
+        // SAFETY: all three hold rows * cols elements of T; gx is new, aliasing neither input.
+        unsafe { y.device().launch(&p.kernel, p.cfg, args) }
+    })?;
+    Ok(gx)
+}
+
+/// `softmax(x)` along the last dimension, as `torch.softmax(x, -1)`: numerically stable for
+/// any row length; a row containing NaN or `+inf`, or of all `-inf`, comes out NaN.
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    forward("softmax", x, false)
+}
+
+/// `log_softmax(x)` along the last dimension.
+pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
+    forward("log_softmax", x, true)
+}
+
+/// Gradient of the input of `y = softmax(x)`, from `y` and the gradient of `y`:
+/// `y * (grad - sum(grad * y))` per row.
+pub fn softmax_backward(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    backward("softmax_backward", y, grad, false)
+}
+
+/// Gradient of the input of `y = log_softmax(x)`, from `y` and the gradient of `y`:
+/// `grad - exp(y) * sum(grad)` per row.
+pub fn log_softmax_backward(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    backward("log_softmax_backward", y, grad, true)
+}
+
+pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
+    let mut v = Vec::new();
+    for dt in DType::ALL {
+        let (f, b) = with_elem!(dt, |T| (<SoftmaxFwdArgs<T> as Params>::ARITY, <SoftmaxBwdArgs<T> as Params>::ARITY));
+        for log in [false, true] {
+            for &n in fwd_vectors(log, dt) {
+                v.push((format!("{}_v{n}_{}", stem(log, "fwd"), dt.suffix()), f));
+            }
+            for &n in BWD_VECTORS {
+                v.push((format!("{}_v{n}_{}", stem(log, "bwd"), dt.suffix()), b));
+            }
+            v.push((format!("{}_stream_{}", stem(log, "fwd"), dt.suffix()), f));
+            v.push((format!("{}_stream_{}", stem(log, "bwd"), dt.suffix()), b));
+        }
+    }
+    v
+}
+
+impl Tensor {
+    /// [`softmax`] along the last dimension.
+    pub fn softmax(&self) -> Result<Tensor> {
+        softmax(self)
+    }
+    /// [`log_softmax`] along the last dimension.
+    pub fn log_softmax(&self) -> Result<Tensor> {
+        log_softmax(self)
+    }
+}

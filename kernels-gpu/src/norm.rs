@@ -1,0 +1,684 @@
+//! Layer norm and RMS norm over the last dimension, forward and backward.
+//!
+//! ```text
+//! layer norm:  y = (x - mean) * rstd * w + b      rstd = 1 / sqrt(var + eps), var biased
+//! rms norm:    y = x * rstd * w                   rstd = 1 / sqrt(mean(x^2) + eps)
+//! backward, with xh = (x - mean) * rstd (layer) or x * rstd (rms) and gw = g * w:
+//!   gx = rstd * (gw - mean(gw) - xh * mean(gw * xh))     (rms: without the mean(gw) term)
+//!   dw = sum over rows of g * xh,  db = sum over rows of g
+//! ```
+//!
+//! Memory pattern, as softmax (see `rows.rs`): the forward holds its row in registers where it
+//! fits and streams it otherwise. The variance is the exact two-pass one: the row's sum gives the
+//! mean, then the sum of squared deviations from that mean (over registers, or over the row
+//! again, which then mostly comes from L2). Two sum reductions cost less than one reduction of
+//! Welford/Chan `(count, mean, M2)` triples, whose merge divides. The forward saves `mean` and
+//! `rstd` (f32, one per row) for the backward.
+//!
+//! The backward's row sums and `gx` are one row pass; `dw` and `db` are column sums over all
+//! rows. The register-resident backward is *persistent*: a grid of about one wave of blocks,
+//! each group walking rows with the grid's stride and keeping its columns' `dw`, `db` in shared
+//! memory, so the column sums cost no extra pass over memory; each block writes one partial
+//! row, and `norm_colsum` adds the partials in a fixed order. Rows too long for registers use a
+//! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
+//! of `x` and `g`, the price of rows over 8192 elements.
+
+/// `(x, w, b, y, mean, rstd, rows, cols, eps)`. `w`, `b` may be null (no affine part); `mean`
+/// is null for RMS norm. `mean` and `rstd` are f32, one per row.
+pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut f32, u64, u64, f32);
+/// `(x, w, g, mean, rstd, gx, partial, rows, cols)`. `w` may be null; `mean` is null for RMS
+/// norm; `partial` (f32, `[2][gridDim.x][cols]`: dw then db) is null when neither is wanted.
+pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64);
+/// `(x, g, mean, rstd, partial, rows, cols)`: the column sums of `g * xh` and `g` for rows too
+/// long for the register-resident backward, into `partial[2][gridDim.y][cols]` (32 x 8 blocks
+/// as the element-wise column reductions).
+pub type NormColGradArgs<T> = (*const T, *const T, *const f32, *const f32, *mut f32, u64, u64);
+/// `(partial, dw, db, chunks, cols)`: `dw[c] = sum over k of partial[0][k][c]` and `db[c]` from
+/// `partial[1]`, in order of k; `blockIdx.y` picks which; a null output is skipped.
+pub type NormColsumArgs<T> = (*const f32, *mut T, *mut T, u64, u64);
+
+/// Floats of one column-sum array of the register-resident backward in shared memory: `cols`
+/// plus a pad word per 32 columns (bank-conflict-free, see `bwd_reg`).
+pub const fn padded(cols: u64) -> usize {
+    (cols + cols / 32 + 1) as usize
+}
+
+/// Chunk lanes of `norm_colsum`: a block is 32 columns by this many lanes over the chunks.
+pub const COLSUM_LANES: u32 = 16;
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    use super::*;
+    use crate::dtype::{Elem, for_lanes};
+    use crate::elementwise::{COL_BLOCK_X, COL_BLOCK_Y};
+    use crate::math::sqrt;
+    use crate::prim::*;
+    use crate::rows::*;
+
+    /// Layer norm (centred) or RMS norm.
+    pub trait Norm {
+        const CENTER: bool;
+    }
+    pub struct Layer;
+    pub struct Rms;
+    impl Norm for Layer {
+        const CENTER: bool = true;
+    }
+    impl Norm for Rms {
+        const CENTER: bool = false;
+    }
+
+    /// `(mean, rstd)` of a row from `(count, mean, sum of squared deviations)` (layer) or
+    /// `(_, _, sum of squares)` (rms).
+    #[inline(always)]
+    fn finish<N: Norm>(st: [f32; 3], cols: u64, eps: f32) -> (f32, f32) {
+        if N::CENTER {
+            let var = st[2] / cols as f32;
+            (st[1], 1.0 / sqrt(var + eps))
+        } else {
+            (0.0, 1.0 / sqrt(st[2] / cols as f32 + eps))
+        }
+    }
+
+    /// Loads the `VEC` parameters of columns `c..c + VEC`; `1` (weight) or `0` (bias) when the
+    /// pointer is null. With `vec` the columns start 16-byte aligned and load as one vector.
+    #[inline(always)]
+    unsafe fn params<T: Elem>(p: *const T, c: u64, vec: bool, absent: f32) -> [f32; 8] {
+        if p.is_null() {
+            return [absent; 8];
+        }
+        // SAFETY: c + VEC <= cols, the parameter's length; aligned when `vec`.
+        unsafe {
+            if vec {
+                T::unpack(ld_global_nc_v4(p.add(c as usize) as *const u32))
+            } else {
+                let mut v = [absent; 8];
+                for_lanes::<T>(
+                    #[inline(always)]
+                    |k| v[k] = (*p.add(c as usize + k)).to_f32(),
+                );
+                v
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn param<T: Elem>(p: *const T, c: u64, absent: f32) -> f32 {
+        // SAFETY: c < cols.
+        if p.is_null() { absent } else { unsafe { (*p.add(c as usize)).to_f32() } }
+    }
+
+    /// Writes the row's statistics (first thread of the group).
+    #[inline(always)]
+    unsafe fn save_stats(g: &Group, ok: bool, row: u64, mean: *mut f32, rstd: *mut f32, mu: f32, rs: f32) {
+        if ok && g.t == 0 {
+            // SAFETY: row < rows, the statistics' length; mean may be null (rms).
+            unsafe {
+                if !mean.is_null() {
+                    *mean.add(row as usize) = mu;
+                }
+                *rstd.add(row as usize) = rs;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fwd_reg<T: Elem, N: Norm, const V: usize>(
+        x: *const T,
+        w: *const T,
+        b: *const T,
+        y: *mut T,
+        mean: *mut f32,
+        rstd: *mut f32,
+        rows: u64,
+        cols: u64,
+        eps: f32,
+    ) {
+        let g = Group::this();
+        let row = g.first_row();
+        let ok = row < rows;
+        let nvec = cols / T::VEC as u64;
+        let off = if ok { (row * cols) as usize } else { 0 };
+        // SAFETY: rows are whole vectors (host-checked), so every row starts 16-byte aligned.
+        let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
+        // The row is in registers: the exact two-pass variance, as two sum reductions (the mean,
+        // then the squared deviations from it), cheaper than merging (count, mean, M2) triples,
+        // whose merge divides.
+        let mut sum = 0.0f32;
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    let v = T::unpack(raw[s]);
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| sum += if N::CENTER { v[k] } else { v[k] * v[k] },
+                    );
+                }
+            },
+        );
+        let [sum] = group_reduce(&g, [sum], [0.0], add1);
+        let st = if N::CENTER {
+            let m = sum / cols as f32;
+            let mut m2 = 0.0f32;
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    if slot_present(&g, s, nvec, ok) {
+                        let v = T::unpack(opaque(raw[s]));
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| m2 += (v[k] - m) * (v[k] - m),
+                        );
+                    }
+                },
+            );
+            let [m2] = group_reduce(&g, [m2], [0.0], add1);
+            [cols as f32, m, m2]
+        } else {
+            [0.0, 0.0, sum]
+        };
+        let (mu, rs) = finish::<N>(st, cols, eps);
+        unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    let c = slot_col::<T>(&g, s);
+                    // SAFETY: c + VEC <= cols, aligned (cols is a multiple of VEC).
+                    let (wv, bv) = unsafe { (params(w, c, true, 1.0), params(b, c, true, 0.0)) };
+                    // Unpacked again from the packed registers (see `prim::opaque`).
+                    let mut v = T::unpack(opaque(raw[s]));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = (v[k] - mu) * rs * wv[k] + bv[k],
+                    );
+                    // SAFETY: inside row `row` of y.
+                    unsafe { st_global_v4(y.add(off + c as usize) as *mut u32, T::pack(&v)) };
+                }
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn fwd_stream<T: Elem, N: Norm>(
+        x: *const T,
+        w: *const T,
+        b: *const T,
+        y: *mut T,
+        mean: *mut f32,
+        rstd: *mut f32,
+        rows: u64,
+        cols: u64,
+        eps: f32,
+    ) {
+        let g = Group::this();
+        let mut row = g.first_row();
+        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
+        let wv = T::VEC as u64;
+        while row < block_rows {
+            let ok = row < rows;
+            let off = if ok { (row * cols) as usize } else { 0 };
+            // SAFETY: all element indices below are < cols within row `row`.
+            let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
+            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+            let load = #[inline(always)]
+            |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
+            let one = #[inline(always)]
+            |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
+            // The exact two-pass variance here too: the sum (from memory), then the squared
+            // deviations from the mean (the row again, from L2 as a rule), then the output.
+            let sum_of = |f: &dyn Fn(f32) -> f32| {
+                let s = fold_row(
+                    sp,
+                    wv,
+                    &g,
+                    0.0f32,
+                    load,
+                    #[inline(always)]
+                    |mut acc, _, v| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| acc += f(v[k]),
+                        );
+                        acc
+                    },
+                    #[inline(always)]
+                    |acc, c| acc + f(one(c)),
+                );
+                group_reduce(&g, [s], [0.0], add1)[0]
+            };
+            let st = if N::CENTER {
+                let m = sum_of(&|v| v) / cols as f32;
+                [cols as f32, m, sum_of(&|v| (v - m) * (v - m))]
+            } else {
+                [0.0, 0.0, sum_of(&|v| v * v)]
+            };
+            let (mu, rs) = finish::<N>(st, cols, eps);
+            unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
+            // Parameters are per column: vector loads when this row's vectors start at
+            // multiples of VEC columns (aligned rows), scalar loads otherwise.
+            let pvec = sp.head == 0;
+            fold_row(
+                sp,
+                wv,
+                &g,
+                (),
+                load,
+                #[inline(always)]
+                |(), c, mut v| unsafe {
+                    let (wp, bp) = (params(w, c, pvec, 1.0), params(b, c, pvec, 0.0));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = (v[k] - mu) * rs * wp[k] + bp[k],
+                    );
+                    st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v));
+                },
+                #[inline(always)]
+                |(), c| unsafe {
+                    let v = (*xr.add(c as usize)).to_f32();
+                    *yr.add(c as usize) = T::from_f32((v - mu) * rs * param(w, c, 1.0) + param(b, c, 0.0));
+                },
+            );
+            row += g.row_step();
+        }
+    }
+
+    #[inline(always)]
+    fn add1(a: [f32; 1], b: [f32; 1]) -> [f32; 1] {
+        [a[0] + b[0]]
+    }
+
+    #[inline(always)]
+    fn add2(a: [f32; 2], b: [f32; 2]) -> [f32; 2] {
+        [a[0] + b[0], a[1] + b[1]]
+    }
+
+    /// The row's `(mean, rstd)` saved by the forward (`ok` false: zeros, unused).
+    #[inline(always)]
+    unsafe fn stats(ok: bool, row: u64, mean: *const f32, rstd: *const f32) -> (f32, f32) {
+        if !ok {
+            return (0.0, 0.0);
+        }
+        // SAFETY: row < rows; mean is null for rms.
+        unsafe { (if mean.is_null() { 0.0 } else { *mean.add(row as usize) }, *rstd.add(row as usize)) }
+    }
+
+    /// `gx` from the row sums `a = sum(gw)`, `b = sum(gw * xh)`.
+    #[inline(always)]
+    fn grad_x<N: Norm>(gw: f32, xh: f32, rs: f32, a: f32, b: f32, inv_n: f32) -> f32 {
+        let centre = if N::CENTER { a * inv_n } else { 0.0 };
+        rs * (gw - centre - xh * (b * inv_n))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize>(
+        x: *const T,
+        w: *const T,
+        gr: *const T,
+        mean: *const f32,
+        rstd: *const f32,
+        gx: *mut T,
+        partial: *mut f32,
+        rows: u64,
+        cols: u64,
+    ) {
+        let g = Group::this();
+        let nvec = cols / T::VEC as u64;
+        let inv_n = 1.0 / cols as f32;
+        // This thread's columns are the same in every row: their weights stay in registers
+        // (packed: half the registers for f16/bf16; unpacked where used), and their dw, db sums
+        // in this group's region of shared memory, `[2][cols]` f32 after the reduction's slots.
+        // In registers, the sums took 2 * V * VEC more of them: 120-160 registers a thread, one
+        // or two blocks per SM, and the bf16 backward ran at 2100-2300 GB/s.
+        let has_w = !w.is_null();
+        // SAFETY: the weights are one whole-vector row of cols elements, 16-byte aligned.
+        let wr = unsafe { load_row::<T, V>(w, nvec, &g, has_w) };
+        let weights = |s: usize| if has_w { T::unpack(opaque(wr[s])) } else { [1.0f32; 8] };
+        let sums_on = !partial.is_null();
+        let smem = dyn_smem::<f32>();
+        let acc_base = (reduce_smem_bytes(g.size * g.per_block) / 4) as usize;
+        // Each thread reads and writes only its own columns of its group's region until the
+        // final barrier, so no barrier is needed before then. Column c lives at `c + c / 32`:
+        // a warp's threads hold columns VEC apart, which unpadded would put lanes 4 (f32) or 8
+        // (bf16) apart on the same bank (an 8-way conflict: the bf16 backward ran at 1190
+        // GB/s); one pad word per 32 columns spreads them over all 32 banks, and a vector's
+        // lanes stay at constant offsets from its first column.
+        let region = padded(cols);
+        let mine = acc_base + g.ty as usize * 2 * region;
+        let acc = |c: u64, k: usize, which: usize| {
+            // SAFETY: the host launches with reduce_smem_bytes + R * 2 * padded(cols) * 4 bytes
+            // when `partial` is not null; c + k < cols.
+            unsafe { smem.add(mine + which * region + (c + c / 32) as usize + k) }
+        };
+        if sums_on {
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    if slot_present(&g, s, nvec, true) {
+                        let c = slot_col::<T>(&g, s);
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| unsafe {
+                                *acc(c, k, 0) = 0.0;
+                                *acc(c, k, 1) = 0.0;
+                            },
+                        );
+                    }
+                },
+            );
+        }
+        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
+        let mut row = g.first_row();
+        while row < block_rows {
+            let ok = row < rows;
+            let off = if ok { (row * cols) as usize } else { 0 };
+            // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
+            let (rx, rg) =
+                unsafe { (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok)) };
+            let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
+            let mut sums = [0.0f32; 2];
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    if slot_present(&g, s, nvec, ok) {
+                        let (vx, vg, wv) = (T::unpack(rx[s]), T::unpack(rg[s]), weights(s));
+                        let c = slot_col::<T>(&g, s);
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| {
+                                let xh = (vx[k] - mu) * rs;
+                                let gw = vg[k] * wv[k];
+                                sums[0] += gw;
+                                sums[1] += gw * xh;
+                                if sums_on {
+                                    // SAFETY: this thread's own columns (see `acc`).
+                                    unsafe {
+                                        *acc(c, k, 0) += vg[k] * xh;
+                                        *acc(c, k, 1) += vg[k];
+                                    }
+                                }
+                            },
+                        );
+                    }
+                },
+            );
+            let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    if slot_present(&g, s, nvec, ok) {
+                        // Unpacked again from the packed registers (see `prim::opaque`).
+                        let (vx, mut vg, wv) = (T::unpack(opaque(rx[s])), T::unpack(opaque(rg[s])), weights(s));
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| {
+                                let xh = (vx[k] - mu) * rs;
+                                vg[k] = grad_x::<N>(vg[k] * wv[k], xh, rs, a, b, inv_n);
+                            },
+                        );
+                        // SAFETY: inside row `row` of gx.
+                        unsafe { st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg)) };
+                    }
+                },
+            );
+            row += g.row_step();
+        }
+        if !sums_on {
+            return;
+        }
+        // The block's groups cover the same columns: add their regions in group order, and write
+        // the block's partial row.
+        sync_threads();
+        let chunks = grid_dim_x() as u64;
+        let blk = block_idx_x() as u64;
+        let threads = (g.size * g.per_block) as u64;
+        let mut c = (g.ty * g.size + g.t) as u64;
+        while c < cols {
+            for which in 0..2u64 {
+                let mut v = 0.0f32;
+                let at = which as usize * region + (c + c / 32) as usize;
+                for r in 0..g.per_block as usize {
+                    // SAFETY: inside the R regions of 2 * padded(cols) floats.
+                    v += unsafe { *smem.add(acc_base + r * 2 * region + at) };
+                }
+                // SAFETY: partial holds 2 * chunks * cols floats (host-checked); c < cols.
+                unsafe { *partial.add(((which * chunks + blk) * cols + c) as usize) = v };
+            }
+            c += threads;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn bwd_stream<T: Elem, N: Norm>(
+        x: *const T,
+        w: *const T,
+        gr: *const T,
+        mean: *const f32,
+        rstd: *const f32,
+        gx: *mut T,
+        rows: u64,
+        cols: u64,
+    ) {
+        let g = Group::this();
+        let mut row = g.first_row();
+        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
+        let wv = T::VEC as u64;
+        let inv_n = 1.0 / cols as f32;
+        while row < block_rows {
+            let ok = row < rows;
+            let off = if ok { (row * cols) as usize } else { 0 };
+            // SAFETY: indices below are < cols within row `row`.
+            let (xr, gr_, gxr) = unsafe { (x.add(off), gr.add(off), gx.add(off)) };
+            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+            let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
+            let pvec = sp.head == 0;
+            let load = #[inline(always)]
+            |c: u64| unsafe {
+                let c_ = c as usize;
+                (
+                    T::unpack(ld_global_nc_v4(xr.add(c_) as *const u32)),
+                    T::unpack(ld_global_nc_v4(gr_.add(c_) as *const u32)),
+                    params(w, c, pvec, 1.0),
+                )
+            };
+            let sums = fold_row(
+                sp,
+                wv,
+                &g,
+                [0.0f32; 2],
+                load,
+                #[inline(always)]
+                |mut acc, _, (vx, vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| {
+                            let gw = vg[k] * wp[k];
+                            acc[0] += gw;
+                            acc[1] += gw * (vx[k] - mu) * rs;
+                        },
+                    );
+                    acc
+                },
+                #[inline(always)]
+                |acc, c| unsafe {
+                    let gw = (*gr_.add(c as usize)).to_f32() * param(w, c, 1.0);
+                    [acc[0] + gw, acc[1] + gw * ((*xr.add(c as usize)).to_f32() - mu) * rs]
+                },
+            );
+            let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+            fold_row(
+                sp,
+                wv,
+                &g,
+                (),
+                load,
+                #[inline(always)]
+                |(), c, (vx, mut vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = grad_x::<N>(vg[k] * wp[k], (vx[k] - mu) * rs, rs, a, b, inv_n),
+                    );
+                    unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
+                },
+                #[inline(always)]
+                |(), c| unsafe {
+                    let c_ = c as usize;
+                    let gw = (*gr_.add(c_)).to_f32() * param(w, c, 1.0);
+                    let xh = ((*xr.add(c_)).to_f32() - mu) * rs;
+                    *gxr.add(c_) = T::from_f32(grad_x::<N>(gw, xh, rs, a, b, inv_n));
+                },
+            );
+            row += g.row_step();
+        }
+    }
+
+    /// Column sums of `g * xh` and `g` for the streaming backward: 32 columns by 8 row lanes per
+    /// block, `gridDim.y` chunks of rows, each into its own partial row (as `row_bwd` in
+    /// elementwise.rs).
+    pub unsafe fn colgrad<T: Elem, N: Norm>(
+        x: *const T,
+        gr: *const T,
+        mean: *const f32,
+        rstd: *const f32,
+        partial: *mut f32,
+        rows: u64,
+        cols: u64,
+    ) {
+        let (tx, ty) = (thread_idx_x(), thread_idx_y());
+        let col = block_idx_x() as u64 * COL_BLOCK_X as u64 + tx as u64;
+        let chunks = grid_dim_y() as u64;
+        let (mut dw, mut db) = (0.0f32, 0.0f32);
+        if col < cols {
+            let step = chunks * COL_BLOCK_Y as u64;
+            let mut r = block_idx_y() as u64 * COL_BLOCK_Y as u64 + ty as u64;
+            while r < rows {
+                let i = (r * cols + col) as usize;
+                // SAFETY: r < rows, col < cols.
+                let (xv, gv, (mu, rs)) =
+                    unsafe { ((*x.add(i)).to_f32(), (*gr.add(i)).to_f32(), stats(true, r, mean, rstd)) };
+                dw += gv * (xv - mu) * rs;
+                db += gv;
+                r += step;
+            }
+        }
+        let smem = dyn_smem::<f32>();
+        let lanes = (COL_BLOCK_X * COL_BLOCK_Y) as usize;
+        let me = (ty * COL_BLOCK_X + tx) as usize;
+        // SAFETY: the host launches with 2 * 256 floats of shared memory.
+        unsafe {
+            *smem.add(me) = dw;
+            *smem.add(lanes + me) = db;
+        }
+        sync_threads();
+        if ty == 0 && col < cols {
+            let (mut s0, mut s1) = (0.0f32, 0.0f32);
+            for l in 0..COL_BLOCK_Y {
+                let j = (l * COL_BLOCK_X + tx) as usize;
+                // SAFETY: j < lanes.
+                unsafe {
+                    s0 += *smem.add(j);
+                    s1 += *smem.add(lanes + j);
+                }
+            }
+            let k = block_idx_y() as u64;
+            // SAFETY: partial holds 2 * chunks * cols floats.
+            unsafe {
+                *partial.add((k * cols + col) as usize) = s0;
+                *partial.add(((chunks + k) * cols + col) as usize) = s1;
+            }
+        }
+    }
+
+    /// `out[c] = sum_k partial[k * cols + c]`: 32 columns by `COLSUM_LANES` lanes per block;
+    /// lane `l` adds chunks `l, l + LANES, ...`, then the lanes are added in order. Spreading the
+    /// chunks over lanes matters when there are a thousand of them (one per block of a
+    /// persistent backward) and few columns.
+    pub unsafe fn colsum<T: Elem>(partial: *const f32, dw: *mut T, db: *mut T, chunks: u64, cols: u64) {
+        // One launch for both sums: a small backward pays one launch less.
+        let (out, partial) = if block_idx_y() == 0 {
+            (dw, partial)
+        } else {
+            // SAFETY: partial holds 2 * chunks * cols floats (host-checked).
+            (db, unsafe { partial.add((chunks * cols) as usize) })
+        };
+        if out.is_null() {
+            return;
+        }
+        let (tx, ty) = (thread_idx_x(), thread_idx_y());
+        let col = block_idx_x() as u64 * 32 + tx as u64;
+        let mut s = 0.0f32;
+        if col < cols {
+            let mut k = ty as u64;
+            while k < chunks {
+                // SAFETY: k < chunks, col < cols.
+                s += unsafe { *partial.add((k * cols + col) as usize) };
+                k += COLSUM_LANES as u64;
+            }
+        }
+        let smem = dyn_smem::<f32>();
+        // SAFETY: the host launches with 32 * COLSUM_LANES floats of shared memory.
+        unsafe { *smem.add((ty * 32 + tx) as usize) = s };
+        sync_threads();
+        if ty == 0 && col < cols {
+            let mut acc = 0.0f32;
+            for l in 0..COLSUM_LANES {
+                // SAFETY: inside the shared array.
+                acc += unsafe { *smem.add((l * 32 + tx) as usize) };
+            }
+            // SAFETY: col < cols, out's length.
+            unsafe { *out.add(col as usize) = T::from_f32(acc) };
+        }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+pub use device::*;
+
+// --- the kernels: `<layer_norm|rms_norm>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>`,
+// `<layer_norm|rms_norm>_colgrad_<dtype>`, `norm_colsum_<dtype>` -----------------------------
+
+macro_rules! norm_kernels {
+    ($T:ty, $sfx:ident) => {
+        norm_kernels!(@op $T, $sfx, layer_norm, Layer);
+        norm_kernels!(@op $T, $sfx, rms_norm, Rms);
+        paste::paste! {
+            $crate::kernel!([<norm_colsum_ $sfx>]: NormColsumArgs<$T> = |partial, dw, db, chunks, cols|
+                colsum::<$T>(partial, dw, db, chunks, cols));
+        }
+    };
+    (@op $T:ty, $sfx:ident, $op:ident, $N:ident) => {
+        norm_kernels!(@fwd $T, $sfx, $op, $N, 1 2 4);
+        // Backward holds x, g and the weights in registers: four vectors of f32 (two of
+        // f16/bf16) at most.
+        norm_kernels!(@bwd $T, $sfx, $op, $N, 1 2);
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_stream_ $sfx>]: NormFwdArgs<$T> =
+                |x, w, b, y, mean, rstd, rows, cols, eps|
+                fwd_stream::<$T, $N>(x, w, b, y, mean, rstd, rows, cols, eps));
+            $crate::kernel!([<$op _bwd_stream_ $sfx>]: NormBwdArgs<$T> =
+                |x, w, g, mean, rstd, gx, _partial, rows, cols|
+                bwd_stream::<$T, $N>(x, w, g, mean, rstd, gx, rows, cols));
+            $crate::kernel!([<$op _colgrad_ $sfx>]: NormColGradArgs<$T> =
+                |x, g, mean, rstd, partial, rows, cols|
+                colgrad::<$T, $N>(x, g, mean, rstd, partial, rows, cols));
+        }
+    };
+    (@fwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _fwd_v $v _ $sfx>]: NormFwdArgs<$T> = |x, w, b, y, mean, rstd, rows, cols, eps|
+            fwd_reg::<$T, $N, $v>(x, w, b, y, mean, rstd, rows, cols, eps));
+    } )* };
+    (@bwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_v $v _ $sfx>]: NormBwdArgs<$T> =
+            |x, w, g, mean, rstd, gx, partial, rows, cols|
+            bwd_reg::<$T, $N, $v>(x, w, g, mean, rstd, gx, partial, rows, cols));
+    } )* };
+}
+crate::for_each_elem!(norm_kernels);
+// As softmax: eight vectors per thread for f32 rows of up to 32768 in a 1024-thread group. Layer
+// norm's second reduction, weights and biases on top of the row spill 16 bytes at 64 registers,
+// accepted (xtask's KNOWN_SPILLS): once per row, against two more reads of the row streaming.
+norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);
+norm_kernels!(@fwd f32, f32, rms_norm, Rms, 8);
+norm_kernels!(@bwd f32, f32, layer_norm, Layer, 4);
+norm_kernels!(@bwd f32, f32, rms_norm, Rms, 4);

@@ -1,0 +1,277 @@
+//! How the row kernels (softmax, the norms, row reductions, cross-entropy) spread a row over
+//! threads, and how those threads reduce. Not a kernel family: the machinery those share.
+//!
+//! A launch is a grid of blocks `(G, R)`: `G` threads per row (a *group*), `R` rows per block.
+//! `G` is a power of two up to 32 (several rows per warp, for short rows) or a multiple of 32 up
+//! to 1024. Thread `t` of a group owns the row's 16-byte vectors `t, t + G, t + 2G, ...`, so a
+//! warp's loads are contiguous and every byte of a row is read by exactly one thread.
+//!
+//! Two ways to run a row:
+//! - *Register-resident* (`V` vectors per thread, `V` in [`REG_V`]): the whole row is loaded once
+//!   into registers, reduced, and written from registers: one pass over memory, the minimum.
+//!   Needs rows of whole vectors (`cols % VEC == 0`, so every row starts 16-byte aligned) and
+//!   `cols <= G * V * VEC` with `G <= 1024`.
+//! - *Streaming*: any row, of any length or alignment. The row is read once to reduce and read
+//!   again to write; the second read of a row mostly hits L2, since the group has just read it.
+//!   Unaligned rows are split into a scalar head, whole aligned vectors and a scalar tail.
+//!
+//! Group reductions have a fixed shape (butterfly within a warp, then warps in order through
+//! shared memory), so every result is bit-for-bit reproducible, and every thread of the group
+//! receives the same value.
+
+/// Vectors per thread of the register-resident kernels (a kernel is instantiated for each).
+pub const REG_V: [usize; 4] = [1, 2, 4, 8];
+/// Most threads in a group (a block).
+pub const MAX_GROUP: u32 = 1024;
+/// Threads per block the host aims for when a group is smaller than a block.
+pub const ROW_BLOCK: u32 = 256;
+/// Floats of shared memory a group reduction needs per warp of the block (up to four values).
+pub const REDUCE_SLOTS: u32 = 4;
+
+/// Dynamic shared memory, in bytes, that a block of `threads` threads needs for group
+/// reductions of up to [`REDUCE_SLOTS`] values.
+pub const fn reduce_smem_bytes(threads: u32) -> u32 {
+    threads.div_ceil(32) * REDUCE_SLOTS * 4
+}
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    use super::*;
+    use crate::dtype::Elem;
+    use crate::prim::*;
+
+    /// This thread's place in a row launch.
+    #[derive(Clone, Copy)]
+    pub struct Group {
+        /// Thread index within the group.
+        pub t: u32,
+        /// Threads per group (`blockDim.x`).
+        pub size: u32,
+        /// Group index within the block.
+        pub ty: u32,
+        /// Groups per block (`blockDim.y`).
+        pub per_block: u32,
+    }
+
+    impl Group {
+        #[inline(always)]
+        pub fn this() -> Group {
+            Group { t: thread_idx_x(), size: block_dim_x(), ty: thread_idx_y(), per_block: block_dim_y() }
+        }
+        /// The first row of this group; rows `first_row() + k * row_step()` for a persistent loop.
+        #[inline(always)]
+        pub fn first_row(&self) -> u64 {
+            block_idx_x() as u64 * self.per_block as u64 + self.ty as u64
+        }
+        #[inline(always)]
+        pub fn row_step(&self) -> u64 {
+            grid_dim_x() as u64 * self.per_block as u64
+        }
+    }
+
+    /// Combines `K` values over the threads of each group with `combine`, in a fixed order;
+    /// every thread of the group gets the same result. `identity` must combine exactly
+    /// (`combine(v, identity) == v`): it fills the lanes that hold no warp's partial.
+    ///
+    /// Every thread of the block must call it, the same number of times (it may contain
+    /// barriers): threads whose row is past the end pass the identity instead of returning early.
+    /// `combine` must treat its arguments' bits as values only (an index stored in an f32's bits
+    /// survives: shuffles and shared memory move bits).
+    ///
+    /// Shape: a butterfly over the group's lanes of a warp; for groups of more than one warp,
+    /// each warp's result through shared memory, and a second butterfly over those (at most 32)
+    /// in every warp. Ten shuffle steps at most, whatever the group size: a combine that costs
+    /// something (softmax's merge has two `exp`) is paid ten times, not once per warp.
+    #[inline(always)]
+    pub fn group_reduce<const K: usize>(
+        g: &Group,
+        v: [f32; K],
+        identity: [f32; K],
+        combine: impl Fn([f32; K], [f32; K]) -> [f32; K],
+    ) -> [f32; K] {
+        const { assert!(K as u32 <= REDUCE_SLOTS) };
+        let lane = (g.ty * g.size + g.t) % 32;
+        let width = if g.size < 32 { g.size } else { 32 };
+        let v = butterfly(v, width, lane, &combine);
+        if g.size <= 32 {
+            return v;
+        }
+        // Warps of a group, in order, through shared memory: [ty][warp][K].
+        let warps = g.size / 32;
+        let smem = dyn_smem::<f32>();
+        let base = (g.ty * warps * REDUCE_SLOTS) as usize;
+        // The barrier before the write protects the previous reduction's reads.
+        sync_threads();
+        if lane == 0 {
+            let w = (g.t / 32) as usize;
+            let mut k = 0;
+            while k < K {
+                // SAFETY: the host launches with `reduce_smem_bytes(G * R)` of shared memory.
+                unsafe { *smem.add(base + w * REDUCE_SLOTS as usize + k) = v[k] };
+                k += 1;
+            }
+        }
+        sync_threads();
+        let mut r = identity;
+        if lane < warps {
+            let mut k = 0;
+            while k < K {
+                // SAFETY: as above; lane < warps.
+                r[k] = unsafe { *smem.add(base + lane as usize * REDUCE_SLOTS as usize + k) };
+                k += 1;
+            }
+        }
+        butterfly(r, 32, lane, &combine)
+    }
+
+    /// Butterfly over aligned groups of `width` lanes (a power of two up to 32), then every
+    /// lane takes its group's first lane's result: the butterfly may leave lanes with results
+    /// that differ in the last bit (`combine` need not be commutative in floating point).
+    #[inline(always)]
+    fn butterfly<const K: usize>(
+        mut v: [f32; K],
+        width: u32,
+        lane: u32,
+        combine: &impl Fn([f32; K], [f32; K]) -> [f32; K],
+    ) -> [f32; K] {
+        let mut m = 16;
+        while m > 0 {
+            if m < width {
+                let mut o = [0.0f32; K];
+                let mut k = 0;
+                while k < K {
+                    o[k] = shfl_xor_f32(v[k], m);
+                    k += 1;
+                }
+                v = combine(v, o);
+            }
+            m >>= 1;
+        }
+        let first = lane - lane % width;
+        let mut k = 0;
+        while k < K {
+            v[k] = shfl_idx_f32(v[k], first);
+            k += 1;
+        }
+        v
+    }
+
+    /// Calls `f(s)` for each slot `s < V`, written out so that every index is a constant (see
+    /// `dtype::for_lanes` for why a plain loop is not enough).
+    #[inline(always)]
+    pub fn for_slots<const V: usize>(mut f: impl FnMut(usize)) {
+        macro_rules! slots {
+            ($($s:literal)*) => { $( if $s < V { f($s); } )* };
+        }
+        slots!(0 1 2 3 4 5 6 7);
+    }
+
+    /// Loads this thread's vectors of a row into registers (raw, unpacked on use): slot `s` is
+    /// the row's vector `t + s * G`, present when below `nvec` and `ok`; absent slots are zero.
+    ///
+    /// # Safety
+    /// `row` must be 16-byte aligned and hold `nvec` whole vectors not written by this launch.
+    #[inline(always)]
+    pub unsafe fn load_row<T: Elem, const V: usize>(row: *const T, nvec: u64, g: &Group, ok: bool) -> [[u32; 4]; V] {
+        let mut raw = [[0u32; 4]; V];
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                let j = g.t as u64 + (s as u64) * g.size as u64;
+                if ok && j < nvec {
+                    // SAFETY: j < nvec, per the contract.
+                    raw[s] = unsafe { ld_global_nc_v4(row.add((j * T::VEC as u64) as usize) as *const u32) };
+                }
+            },
+        );
+        raw
+    }
+
+    /// Whether slot `s` of this thread holds a vector of the row.
+    #[inline(always)]
+    pub fn slot_present(g: &Group, s: usize, nvec: u64, ok: bool) -> bool {
+        ok && (g.t as u64 + s as u64 * g.size as u64) < nvec
+    }
+
+    /// Column of the first element of slot `s`.
+    #[inline(always)]
+    pub fn slot_col<T: Elem>(g: &Group, s: usize) -> u64 {
+        (g.t as u64 + s as u64 * g.size as u64) * T::VEC as u64
+    }
+
+    /// The parts of a row at `row` (any alignment) of `cols` elements: `head` scalars up to the
+    /// first 16-byte boundary, `nvec` whole vectors, then the scalar tail.
+    #[derive(Clone, Copy)]
+    pub struct RowSplit {
+        pub head: u64,
+        pub nvec: u64,
+        pub cols: u64,
+    }
+
+    impl RowSplit {
+        #[inline(always)]
+        pub fn of<T: Elem>(row: *const T, cols: u64) -> RowSplit {
+            let size = core::mem::size_of::<T>() as u64;
+            let mis = (row as u64 % 16) / size;
+            let head = if mis == 0 { 0 } else { (T::VEC as u64 - mis).min(cols) };
+            RowSplit { head, nvec: (cols - head) / T::VEC as u64, cols }
+        }
+    }
+
+    /// Folds over a row in the streaming pattern: `vector(acc, c, data)` for each whole vector
+    /// this thread owns (`c` = the column of its first element; two loads in flight per thread:
+    /// `load` both, then fold both), and `scalar(acc, c)` for this thread's head and tail elements.
+    /// The accumulator is threaded through explicitly so both callbacks may update it.
+    #[inline(always)]
+    pub fn fold_row<L: Copy, A>(
+        sp: RowSplit,
+        vec_w: u64,
+        g: &Group,
+        mut acc: A,
+        load: impl Fn(u64) -> L,
+        vector: impl Fn(A, u64, L) -> A,
+        scalar: impl Fn(A, u64) -> A,
+    ) -> A {
+        let t = g.t as u64;
+        let step = g.size as u64;
+        // Head and tail are each up to VEC - 1 elements, more than a small group has threads.
+        let mut h = t;
+        while h < sp.head {
+            acc = scalar(acc, h);
+            h += step;
+        }
+        let mut j = t;
+        while j + step < sp.nvec {
+            let (c0, c1) = (sp.head + j * vec_w, sp.head + (j + step) * vec_w);
+            let (a, b) = (load(c0), load(c1));
+            acc = vector(acc, c0, a);
+            acc = vector(acc, c1, b);
+            j += 2 * step;
+        }
+        if j < sp.nvec {
+            let c = sp.head + j * vec_w;
+            acc = vector(acc, c, load(c));
+        }
+        let mut tail = sp.head + sp.nvec * vec_w + t;
+        while tail < sp.cols {
+            acc = scalar(acc, tail);
+            tail += step;
+        }
+        acc
+    }
+
+    /// `max` that propagates NaN, as PyTorch's reductions do.
+    #[inline(always)]
+    pub fn nan_max(a: f32, b: f32) -> f32 {
+        max_nan(a, b)
+    }
+
+    /// `min` that propagates NaN.
+    #[inline(always)]
+    pub fn nan_min(a: f32, b: f32) -> f32 {
+        min_nan(a, b)
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+pub use device::*;

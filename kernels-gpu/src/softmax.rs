@@ -1,0 +1,383 @@
+//! Softmax and log-softmax along the last dimension, forward and backward.
+//!
+//! ```text
+//! softmax:      y = exp(x - m) / s                 m = max(x), s = sum exp(x - m)
+//! log_softmax:  y = (x - m) - log(s)
+//! backward:     gx = y * (g - sum(g * y))          (softmax, from its output y)
+//!               gx = g - exp(y) * sum(g)           (log_softmax, from its output y)
+//! ```
+//!
+//! Memory pattern: one read and one write of the row, the minimum, when the row fits in the
+//! registers of a group (`*_v{1,2,4,8}` kernels, see `rows.rs`); otherwise a streaming kernel
+//! that reads the row twice (the second time mostly from L2) with an *online* max and sum
+//! (Milakov and Gimelshein, 2018), so a row of any length is one pass of reductions.
+//!
+//! Each thread first reduces its own values to a pair `(m, s)` (the sum taken relative to its
+//! own max), and the group merges pairs once: `s = s1 e^(m1 - m) + s2 e^(m2 - m)`. One group
+//! reduction per row instead of two (max, then sum) halves the barriers on long rows.
+//!
+//! IEEE cases follow PyTorch: a NaN anywhere in a row makes the row NaN (max propagates NaN);
+//! a row of all `-inf` is NaN (`exp(-inf - -inf)`); `+inf` makes the row NaN.
+
+/// `(x, y, rows, cols)`: `y = softmax(x)` over rows of `cols` elements.
+pub type SoftmaxFwdArgs<T> = (*const T, *mut T, u64, u64);
+/// `(y, g, gx, rows, cols)`: the gradient of the input from the forward's output `y` and the
+/// output's gradient `g`. `gx` aliases neither input.
+pub type SoftmaxBwdArgs<T> = (*const T, *const T, *mut T, u64, u64);
+
+#[cfg(target_arch = "nvptx64")]
+mod device {
+    use super::*;
+    use crate::dtype::{Elem, for_lanes};
+    use crate::fastmath::{exp, exp_for, log};
+    use crate::prim::*;
+    use crate::rows::*;
+
+    /// Which of the two.
+    pub trait Kind {
+        const LOG: bool;
+    }
+    pub struct Softmax;
+    pub struct LogSoftmax;
+    impl Kind for Softmax {
+        const LOG: bool = false;
+    }
+    impl Kind for LogSoftmax {
+        const LOG: bool = true;
+    }
+
+    /// The max used as the exponent's offset: 0 for a max of `-inf` (an empty or all `-inf`
+    /// part), so that its terms are `exp(-inf) = 0` and not `exp(NaN)`.
+    #[inline(always)]
+    fn offset(m: f32) -> f32 {
+        if m == f32::NEG_INFINITY { 0.0 } else { m }
+    }
+
+    /// Merges two `(max, sum of exp(x - max))` pairs.
+    #[inline(always)]
+    fn merge(a: [f32; 2], b: [f32; 2]) -> [f32; 2] {
+        let m = nan_max(a[0], b[0]);
+        let o = offset(m);
+        [m, a[1] * exp(a[0] - o) + b[1] * exp(b[0] - o)]
+    }
+
+    /// Adds a chunk of values (`v[..n]`, `n <= 8`) to a thread's running pair.
+    #[inline(always)]
+    fn add_chunk<T: Elem>(acc: [f32; 2], v: &[f32; 8], n: usize) -> [f32; 2] {
+        let mut cm = f32::NEG_INFINITY;
+        for_lanes::<T>(
+            #[inline(always)]
+            |k| {
+                if k < n {
+                    cm = nan_max(cm, v[k]);
+                }
+            },
+        );
+        let m = nan_max(acc[0], cm);
+        let o = offset(m);
+        let mut s = acc[1] * exp(acc[0] - o);
+        for_lanes::<T>(
+            #[inline(always)]
+            |k| {
+                if k < n {
+                    s += exp_for::<T>(v[k] - o);
+                }
+            },
+        );
+        [m, s]
+    }
+
+    /// The output for `x` given the row's merged pair.
+    #[inline(always)]
+    fn out<T: Elem, S: Kind>(x: f32, o: f32, inv_s: f32, log_s: f32) -> f32 {
+        if S::LOG { (x - o) - log_s } else { exp_for::<T>(x - o) * inv_s }
+    }
+
+    /// `(offset, 1/s, log s)` of a row's pair.
+    #[inline(always)]
+    fn finish(p: [f32; 2]) -> (f32, f32, f32) {
+        // A NaN or +inf max must poison the row; `offset` keeps both.
+        (offset(p[0]), 1.0 / p[1], log(p[1]))
+    }
+
+    pub unsafe fn fwd_reg<T: Elem, S: Kind, const V: usize>(x: *const T, y: *mut T, rows: u64, cols: u64) {
+        let g = Group::this();
+        let row = g.first_row();
+        let ok = row < rows;
+        let nvec = cols / T::VEC as u64;
+        let off = if ok { (row * cols) as usize } else { 0 };
+        // SAFETY: rows are whole vectors (host-checked), so row `row` starts 16-byte aligned.
+        let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
+        // The row is in registers, so its max can come first: two cheap reductions (max, then
+        // sum) and one `exp` per element, where a single reduction of (max, sum) pairs costs
+        // two `exp` per merge and a rescaling per chunk.
+        let mut m = f32::NEG_INFINITY;
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    let v = T::unpack(raw[s]);
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| m = nan_max(m, v[k]),
+                    );
+                }
+            },
+        );
+        let [m] = group_reduce(&g, [m], [f32::NEG_INFINITY], max1);
+        let o = offset(m);
+        let mut sum = 0.0f32;
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    let v = T::unpack(raw[s]);
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| sum += exp_for::<T>(v[k] - o),
+                    );
+                }
+            },
+        );
+        let [sum] = group_reduce(&g, [sum], [0.0], add);
+        // With m NaN or +inf, o keeps it and every output is NaN, as in PyTorch.
+        let (o, inv_s, log_s) = (o, 1.0 / sum, log(sum));
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    // Unpacked again from the packed registers (see `prim::opaque`).
+                    let mut v = T::unpack(opaque(raw[s]));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = out::<T, S>(v[k], o, inv_s, log_s),
+                    );
+                    // SAFETY: the slot's vector is inside row `row` of y (same shape as x).
+                    unsafe { st_global_v4(y.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&v)) };
+                }
+            },
+        );
+    }
+
+    pub unsafe fn fwd_stream<T: Elem, S: Kind>(x: *const T, y: *mut T, rows: u64, cols: u64) {
+        let g = Group::this();
+        let mut row = g.first_row();
+        // Persistent: every group walks rows with the grid's stride; all threads of a block run
+        // the same number of iterations (the loop bound is per block), so barriers stay uniform.
+        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
+        while row < block_rows {
+            let ok = row < rows;
+            let off = if ok { (row * cols) as usize } else { 0 };
+            // SAFETY: every element index below is below cols within row `row`.
+            let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
+            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+            let w = T::VEC as u64;
+            let acc = fold_row(
+                sp,
+                w,
+                &g,
+                [f32::NEG_INFINITY, 0.0],
+                #[inline(always)]
+                |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
+                #[inline(always)]
+                |acc, _, v| add_chunk::<T>(acc, &v, T::VEC),
+                #[inline(always)]
+                |acc, c| {
+                    let mut v = [0.0; 8];
+                    v[0] = unsafe { (*xr.add(c as usize)).to_f32() };
+                    add_chunk::<T>(acc, &v, 1)
+                },
+            );
+            let acc = group_reduce(&g, acc, [f32::NEG_INFINITY, 0.0], merge);
+            let (o, inv_s, log_s) = finish(acc);
+            fold_row(
+                sp,
+                w,
+                &g,
+                (),
+                #[inline(always)]
+                |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
+                #[inline(always)]
+                |(), c, mut v| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = out::<T, S>(v[k], o, inv_s, log_s),
+                    );
+                    unsafe { st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v)) };
+                },
+                #[inline(always)]
+                |(), c| unsafe {
+                    let v = (*xr.add(c as usize)).to_f32();
+                    *yr.add(c as usize) = T::from_f32(out::<T, S>(v, o, inv_s, log_s));
+                },
+            );
+            row += g.row_step();
+        }
+    }
+
+    /// The per-element term of the backward's row sum: `g * y` (softmax) or `g` (log).
+    #[inline(always)]
+    fn bwd_term<S: Kind>(y: f32, g: f32) -> f32 {
+        if S::LOG { g } else { g * y }
+    }
+
+    #[inline(always)]
+    fn bwd_out<T: Elem, S: Kind>(y: f32, g: f32, dot: f32) -> f32 {
+        if S::LOG { g - exp_for::<T>(y) * dot } else { y * (g - dot) }
+    }
+
+    #[inline(always)]
+    fn add(a: [f32; 1], b: [f32; 1]) -> [f32; 1] {
+        [a[0] + b[0]]
+    }
+
+    #[inline(always)]
+    fn max1(a: [f32; 1], b: [f32; 1]) -> [f32; 1] {
+        [nan_max(a[0], b[0])]
+    }
+
+    pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize>(
+        y: *const T,
+        gr: *const T,
+        gx: *mut T,
+        rows: u64,
+        cols: u64,
+    ) {
+        let g = Group::this();
+        let row = g.first_row();
+        let ok = row < rows;
+        let nvec = cols / T::VEC as u64;
+        let off = if ok { (row * cols) as usize } else { 0 };
+        // SAFETY: as fwd_reg; gx aliases neither input, so the `.nc` loads see no writes.
+        let (ry, rg) =
+            unsafe { (load_row::<T, V>(y.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok)) };
+        let mut dot = 0.0f32;
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    let (vy, vg) = (T::unpack(ry[s]), T::unpack(rg[s]));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| dot += bwd_term::<S>(vy[k], vg[k]),
+                    );
+                }
+            },
+        );
+        let [dot] = group_reduce(&g, [dot], [0.0], add);
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(&g, s, nvec, ok) {
+                    // Unpacked again from the packed registers (see `prim::opaque`).
+                    let (vy, mut vg) = (T::unpack(opaque(ry[s])), T::unpack(opaque(rg[s])));
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = bwd_out::<T, S>(vy[k], vg[k], dot),
+                    );
+                    // SAFETY: inside row `row` of gx.
+                    unsafe { st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg)) };
+                }
+            },
+        );
+    }
+
+    pub unsafe fn bwd_stream<T: Elem, S: Kind>(y: *const T, gr: *const T, gx: *mut T, rows: u64, cols: u64) {
+        let g = Group::this();
+        let mut row = g.first_row();
+        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
+        while row < block_rows {
+            let ok = row < rows;
+            let off = if ok { (row * cols) as usize } else { 0 };
+            let (yr, gr_, gxr) = unsafe { (y.add(off), gr.add(off), gx.add(off)) };
+            let sp = if ok { RowSplit::of(yr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+            let w = T::VEC as u64;
+            let load = #[inline(always)]
+            |c: u64| unsafe {
+                let c = c as usize;
+                (
+                    T::unpack(ld_global_nc_v4(yr.add(c) as *const u32)),
+                    T::unpack(ld_global_nc_v4(gr_.add(c) as *const u32)),
+                )
+            };
+            let dot = fold_row(
+                sp,
+                w,
+                &g,
+                0.0f32,
+                load,
+                #[inline(always)]
+                |mut dot, _, (vy, vg): ([f32; 8], [f32; 8])| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| dot += bwd_term::<S>(vy[k], vg[k]),
+                    );
+                    dot
+                },
+                #[inline(always)]
+                |dot, c| unsafe {
+                    dot + bwd_term::<S>((*yr.add(c as usize)).to_f32(), (*gr_.add(c as usize)).to_f32())
+                },
+            );
+            let [dot] = group_reduce(&g, [dot], [0.0], add);
+            fold_row(
+                sp,
+                w,
+                &g,
+                (),
+                load,
+                #[inline(always)]
+                |(), c, (vy, mut vg): ([f32; 8], [f32; 8])| {
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = bwd_out::<T, S>(vy[k], vg[k], dot),
+                    );
+                    unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
+                },
+                #[inline(always)]
+                |(), c| unsafe {
+                    let c = c as usize;
+                    *gxr.add(c) = T::from_f32(bwd_out::<T, S>((*yr.add(c)).to_f32(), (*gr_.add(c)).to_f32(), dot));
+                },
+            );
+            row += g.row_step();
+        }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
+pub use device::*;
+
+// --- the kernels: `<softmax|log_softmax>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>` ----------------
+
+macro_rules! softmax_kernels {
+    ($T:ty, $sfx:ident) => {
+        softmax_kernels!(@op $T, $sfx, softmax, Softmax);
+        softmax_kernels!(@op $T, $sfx, log_softmax, LogSoftmax);
+    };
+    (@op $T:ty, $sfx:ident, $op:ident, $K:ident) => {
+        softmax_kernels!(@fwd $T, $sfx, $op, $K, 1 2 4);
+        // Backward holds two rows (y and g): eight vectors of each would not fit 64 registers.
+        softmax_kernels!(@bwd $T, $sfx, $op, $K, 1 2 4);
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_stream_ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
+                fwd_stream::<$T, $K>(x, y, rows, cols));
+            $crate::kernel!([<$op _bwd_stream_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+                bwd_stream::<$T, $K>(y, g, gx, rows, cols));
+        }
+    };
+    (@fwd $T:ty, $sfx:ident, $op:ident, $K:ident, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _fwd_v $v _ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
+            fwd_reg::<$T, $K, $v>(x, y, rows, cols));
+    } )* };
+    (@bwd $T:ty, $sfx:ident, $op:ident, $K:ident, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_v $v _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+            bwd_reg::<$T, $K, $v>(y, g, gx, rows, cols));
+    } )* };
+}
+crate::for_each_elem!(softmax_kernels);
+// Eight vectors per thread only for f32 softmax: halves reach the longest register-resident row
+// (32768) with four, and eight of theirs (64 values) do not fit the 64 registers of a 1024-thread
+// block; f32 log-softmax spilled at 64 (its `log` on top of the row), so its rows of 16385 to
+// 32768 stream.
+softmax_kernels!(@fwd f32, f32, softmax, Softmax, 8);

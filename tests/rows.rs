@@ -1,0 +1,646 @@
+//! GPU tests of the row operations: softmax and log-softmax, layer norm, RMS norm and
+//! cross-entropy, forward and backward, in f32, f16 and bf16, against f64 references on random
+//! shapes (row lengths 1, 2, 31-33, primes, 4097, 100003, ... chosen to hit every kernel: the
+//! register-resident ones with 1, 2, 4 and 8 vectors per thread, the streaming one on aligned and
+//! unaligned rows) and random values with outliers. The f64 backward references are themselves
+//! checked against central finite differences of the f64 forward. Outputs come from poisoned
+//! (NaN-filled) allocations, so an unwritten element fails; determinism is checked by running
+//! twice and comparing bits.
+//!
+//! Tolerances. With `E = 2^-24` (f32 rounding) and `K = L + log2(n) + 16`, where `L` bounds the
+//! values one thread adds in sequence (64 in registers; `8 * ceil(n / 1024)` streaming) and
+//! `log2(n)` the depth of the group reduction: a sum of `n` terms has error at most `K E` times
+//! the sum of their magnitudes (the 16 covers `exp`'s 2 ulp, the rescalings of the online
+//! softmax and the final products). Each check below scales `K E` by the magnitudes that enter
+//! the result; `close` adds one ulp of the storage type for f16/bf16 outputs.
+
+mod common;
+
+use common::*;
+use kernels::ops::{self, CrossEntropyOpts, Reduction};
+use kernels::{DType, Device, Error, IndexTensor, Tensor};
+use proptest::prelude::*;
+use std::process::ExitCode;
+
+const E: f64 = 1.0 / (1u64 << 24) as f64;
+
+fn k_of(n: usize) -> f64 {
+    let l = 64f64.max(8.0 * n.div_ceil(1024) as f64);
+    l + (n.max(2) as f64).log2().ceil() + 16.0
+}
+
+fn tol(rtol: f64, atol: f64) -> common::Tol {
+    common::Tol { rtol, atol }
+}
+
+/// Row lengths that select each kernel (see `host/ops/mod.rs::row_plan`).
+const COLS: [usize; 18] =
+    [1, 2, 3, 31, 32, 33, 127, 128, 1000, 1024, 1031, 4096, 4097, 8192, 16384, 32768, 40000, 100003];
+
+fn shapes() -> impl Strategy<Value = (usize, usize)> {
+    (0..COLS.len(), 1usize..300).prop_map(|(c, r)| {
+        let cols = COLS[c];
+        let cap = if sanitizer() { 1 << 14 } else { 1 << 20 };
+        (r.min((cap / cols).max(1)), cols)
+    })
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)]
+}
+
+/// Values with outliers: normal with scale 3, and 1% of entries 30x larger.
+fn values(rng: &mut TestRng, n: usize, dt: DType) -> Vec<f32> {
+    let mut v = draw(rng, n, dt, Draw::FINITE);
+    for x in v.iter_mut() {
+        if rng.unit() < 0.01 {
+            *x = round_to(dt, *x * 30.0);
+        }
+    }
+    v
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u32>, String> {
+    Ok(t.to_f32_vec().map_err(e)?.into_iter().map(f32::to_bits).collect())
+}
+
+// --- f64 references -----------------------------------------------------------------------------
+
+fn softmax_ref(x: &[f32], log: bool) -> Vec<f64> {
+    let m = x.iter().map(|&v| v as f64).fold(f64::NEG_INFINITY, f64::max);
+    let s: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+    x.iter().map(|&v| if log { v as f64 - m - s.ln() } else { (v as f64 - m).exp() / s }).collect()
+}
+
+fn softmax_bwd_ref(y: &[f32], g: &[f32], log: bool) -> Vec<f64> {
+    if log {
+        let sg: f64 = g.iter().map(|&v| v as f64).sum();
+        y.iter().zip(g).map(|(&y, &g)| g as f64 - (y as f64).exp() * sg).collect()
+    } else {
+        let dot: f64 = y.iter().zip(g).map(|(&y, &g)| y as f64 * g as f64).sum();
+        y.iter().zip(g).map(|(&y, &g)| y as f64 * (g as f64 - dot)).collect()
+    }
+}
+
+/// `(y, mean, rstd)` of one row.
+fn norm_ref(x: &[f64], w: Option<&[f64]>, b: Option<&[f64]>, eps: f64, layer: bool) -> (Vec<f64>, f64, f64) {
+    let n = x.len() as f64;
+    let mean = if layer { x.iter().sum::<f64>() / n } else { 0.0 };
+    let var = x.iter().map(|&v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    let rstd = 1.0 / (var + eps).sqrt();
+    let y = (0..x.len()).map(|i| (x[i] - mean) * rstd * w.map_or(1.0, |w| w[i]) + b.map_or(0.0, |b| b[i])).collect();
+    (y, mean, rstd)
+}
+
+/// Gradient of the input of one row of a norm.
+fn norm_bwd_ref(x: &[f64], w: Option<&[f64]>, g: &[f64], eps: f64, layer: bool) -> Vec<f64> {
+    let (_, mean, rstd) = norm_ref(x, None, None, eps, layer);
+    let n = x.len() as f64;
+    let gw: Vec<f64> = (0..x.len()).map(|i| g[i] * w.map_or(1.0, |w| w[i])).collect();
+    let xh: Vec<f64> = x.iter().map(|&v| (v - mean) * rstd).collect();
+    let a = if layer { gw.iter().sum::<f64>() / n } else { 0.0 };
+    let bsum = gw.iter().zip(&xh).map(|(g, x)| g * x).sum::<f64>() / n;
+    (0..x.len()).map(|i| rstd * (gw[i] - a - xh[i] * bsum)).collect()
+}
+
+/// Central difference of `f` along coordinate `i` of `x`.
+fn fd(x: &[f64], i: usize, f: impl Fn(&[f64]) -> f64) -> f64 {
+    let h = 1e-5 * x[i].abs().max(1.0);
+    let (mut a, mut b) = (x.to_vec(), x.to_vec());
+    a[i] += h;
+    b[i] -= h;
+    (f(&a) - f(&b)) / (2.0 * h)
+}
+
+fn check_fd(what: &str, analytic: f64, numeric: f64, scale: f64) -> Result<(), String> {
+    if (analytic - numeric).abs() > 1e-6 * scale.max(1e-3) {
+        return Err(format!(
+            "{what}: the f64 reference gradient {analytic:e} disagrees with finite differences {numeric:e}"
+        ));
+    }
+    Ok(())
+}
+
+// --- softmax --------------------------------------------------------------------------------------
+
+fn softmax_case(dev: &Device, rows: usize, cols: usize, dt: DType, log: bool, seed: u64) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let n = rows * cols;
+    let xs = values(&mut rng, n, dt);
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
+    let x = tensor(dev, &xs, &[rows, cols], dt)?;
+    let g = tensor(dev, &gs, &[rows, cols], dt)?;
+    let name = if log { "log_softmax" } else { "softmax" };
+    let fwd = |x: &Tensor| if log { ops::log_softmax(x) } else { ops::softmax(x) };
+    let bwd = |y: &Tensor, g: &Tensor| if log { ops::log_softmax_backward(y, g) } else { ops::softmax_backward(y, g) };
+    let y = fwd(&x).map_err(e)?;
+    let ys = y.to_f32_vec().map_err(e)?;
+    let gx = bwd(&y, &g).map_err(e)?.to_f32_vec().map_err(e)?;
+    let k = k_of(cols) * E;
+    for r in 0..rows {
+        let row = r * cols..(r + 1) * cols;
+        let want = softmax_ref(&xs[row.clone()], log);
+        let log_s = if log { want.iter().map(|v| v.exp()).sum::<f64>().ln().abs() } else { 0.0 };
+        // log: (x - m) - log(s), with log(s) off by K E relative to s; softmax: relative K E.
+        let t = |_: usize| if log { tol(2.0 * E, k * (1.0 + log_s)) } else { tol(k, 0.0) };
+        compare(
+            &format!("{name} forward row {r} of {rows}x{cols}"),
+            dt,
+            &ys[row.clone()],
+            &want,
+            t,
+            |_| None,
+            |i| format!("x = {:e}", xs[r * cols + i]),
+        )?;
+        // Backward from the GPU's own y (what autograd hands it).
+        let (yr, gr) = (&ys[row.clone()], &gs[row.clone()]);
+        let want = softmax_bwd_ref(yr, gr, log);
+        let mag: f64 = if log {
+            gr.iter().map(|&v| (v as f64).abs()).sum()
+        } else {
+            yr.iter().zip(gr).map(|(&y, &g)| (y as f64 * g as f64).abs()).sum()
+        };
+        let sum_g: f64 = gr.iter().map(|&v| v as f64).sum();
+        let t = |i: usize| {
+            let (y, g) = (yr[i] as f64, gr[i] as f64);
+            if log {
+                let ey = y.exp();
+                tol(4.0 * E, ey * (k * mag + 4.0 * E * sum_g.abs()))
+            } else {
+                tol(4.0 * E, y.abs() * (k * mag + 2.0 * E * g.abs()))
+            }
+        };
+        compare(
+            &format!("{name} backward row {r} of {rows}x{cols}"),
+            dt,
+            &gx[row.clone()],
+            &want,
+            t,
+            |_| None,
+            |i| format!("y = {:e}, g = {:e}", yr[i], gr[i]),
+        )?;
+        // The reference gradient against finite differences of the f64 forward (a few entries
+        // of the first row).
+        if r == 0 && cols <= 4096 {
+            let xr: Vec<f64> = xs[row.clone()].iter().map(|&v| v as f64).collect();
+            let fwd64 = |x: &[f64]| {
+                let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = x.iter().map(|&v| (v - m).exp()).sum();
+                x.iter()
+                    .zip(gr)
+                    .map(|(&v, &g)| g as f64 * if log { v - m - s.ln() } else { (v - m).exp() / s })
+                    .sum::<f64>()
+            };
+            let y64: Vec<f64> = softmax_ref(&xs[row.clone()], log);
+            for i in [0, cols / 2, cols - 1] {
+                let analytic = if log {
+                    gr[i] as f64 - y64[i].exp() * sum_g
+                } else {
+                    let dot: f64 = y64.iter().zip(gr).map(|(&y, &g)| y * g as f64).sum();
+                    y64[i] * (gr[i] as f64 - dot)
+                };
+                check_fd(&format!("{name} d/dx[{i}]"), analytic, fd(&xr, i, fwd64), mag.max(1.0))?;
+            }
+        }
+    }
+    // Determinism: the same input, the same bits.
+    if bits(&fwd(&x).map_err(e)?)? != bits(&y)? {
+        return Err(format!("{name}: two runs differ"));
+    }
+    Ok(())
+}
+
+/// NaN, infinities and all -inf rows behave as PyTorch's softmax.
+fn softmax_specials(dev: &Device, dt: DType, cols: usize) -> Result<(), String> {
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let base: Vec<f32> = (0..cols).map(|i| round_to(dt, (i as f32 * 0.37).sin() * 4.0)).collect();
+    let mut with = |i: usize, v: f32| {
+        let mut r = base.clone();
+        r[i % cols] = v;
+        rows.push(r);
+    };
+    with(cols / 3, f32::NAN); // a NaN: the row is NaN
+    with(cols / 2, f32::INFINITY); // +inf: NaN (inf - inf)
+    with(0, f32::NEG_INFINITY); // -inf: probability 0, the rest normal
+    rows.push(vec![f32::NEG_INFINITY; cols]); // all -inf: NaN
+    rows.push(vec![round_to(dt, 3.0); cols]); // constant: uniform
+    let data: Vec<f32> = rows.concat();
+    let x = tensor(dev, &data, &[rows.len(), cols], dt)?;
+    for log in [false, true] {
+        let y = if log { ops::log_softmax(&x) } else { ops::softmax(&x) }.map_err(e)?.to_f32_vec().map_err(e)?;
+        let row = |r: usize| &y[r * cols..(r + 1) * cols];
+        let ctx = format!("{dt:?} {cols} cols log={log}");
+        if !row(0).iter().all(|v| v.is_nan())
+            || !row(1).iter().all(|v| v.is_nan())
+            || !row(3).iter().all(|v| v.is_nan())
+        {
+            return Err(format!("{ctx}: rows with NaN, +inf or all -inf must be NaN"));
+        }
+        let r2 = row(2);
+        let want0 = if log { f32::NEG_INFINITY } else { 0.0 };
+        // (With one column that row is all -inf, checked above as row 3.)
+        if cols > 1 && (r2[0] != want0 || r2[1..].iter().any(|v| !v.is_finite())) {
+            return Err(format!(
+                "{ctx}: a -inf entry must give {want0} and leave the others finite, got {:?}",
+                &r2[..2.min(cols)]
+            ));
+        }
+        let u = if log { -(cols as f64).ln() } else { 1.0 / cols as f64 };
+        if row(4).iter().any(|&v| !close(dt, v, u, tol(4.0 * E, 0.0))) {
+            return Err(format!("{ctx}: a constant row must be uniform ({u})"));
+        }
+    }
+    Ok(())
+}
+
+// --- norms ----------------------------------------------------------------------------------------
+
+fn norm_case(
+    dev: &Device,
+    rows: usize,
+    cols: usize,
+    dt: DType,
+    layer: bool,
+    affine: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let n = rows * cols;
+    // A non-zero mean, so that centring matters.
+    let xs: Vec<f32> = values(&mut rng, n, dt).into_iter().map(|v| round_to(dt, v + 2.0)).collect();
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
+    let ws: Vec<f32> = (0..cols).map(|_| round_to(dt, (1.0 + 0.5 * rng.normal()) as f32)).collect();
+    let bs: Vec<f32> = (0..cols).map(|_| round_to(dt, rng.normal() as f32)).collect();
+    let x = tensor(dev, &xs, &[rows, cols], dt)?;
+    let g = tensor(dev, &gs, &[rows, cols], dt)?;
+    let w = tensor(dev, &ws, &[cols], dt)?;
+    let b = tensor(dev, &bs, &[cols], dt)?;
+    let eps = 1e-5f32;
+    let name = if layer { "layer_norm" } else { "rms_norm" };
+    let (wo, bo) = if affine { (Some(&w), if layer { Some(&b) } else { None }) } else { (None, None) };
+    let (y, stats) = if layer { ops::layer_norm(&x, wo, bo, eps) } else { ops::rms_norm(&x, wo, eps) }.map_err(e)?;
+    let grads = if layer {
+        ops::layer_norm_backward(&x, wo, bo.is_some(), &stats, &g)
+    } else {
+        ops::rms_norm_backward(&x, wo, &stats, &g)
+    }
+    .map_err(e)?;
+    let ys = y.to_f32_vec().map_err(e)?;
+    let gx = grads.x.to_f32_vec().map_err(e)?;
+    let rstd = stats.rstd.to_f32_vec().map_err(e)?;
+    let mean = stats.mean.as_ref().map(|m| m.to_f32_vec()).transpose().map_err(e)?;
+    let k = k_of(cols) * E;
+    let w64: Vec<f64> = ws.iter().map(|&v| v as f64).collect();
+    let b64: Vec<f64> = bs.iter().map(|&v| v as f64).collect();
+    let (w_opt, b_opt) = (wo.map(|_| &w64[..]), bo.map(|_| &b64[..]));
+    let (mut dw, mut db) = (vec![0.0f64; cols], vec![0.0f64; cols]);
+    let (mut dw_mag, mut db_mag) = (vec![0.0f64; cols], vec![0.0f64; cols]);
+    // The weight gradient's error from each row's xh (see dxh below).
+    let mut dw_err = vec![0.0f64; cols];
+    for r in 0..rows {
+        let row = r * cols..(r + 1) * cols;
+        let xr: Vec<f64> = xs[row.clone()].iter().map(|&v| v as f64).collect();
+        let gr: Vec<f64> = gs[row.clone()].iter().map(|&v| v as f64).collect();
+        let (want, m, rs) = norm_ref(&xr, w_opt, b_opt, eps as f64, layer);
+        let mean_abs = xr.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
+        if !close(DType::F32, rstd[r], rs, tol(k * (1.0 + mean_abs * mean_abs * rs * rs), 0.0)) {
+            return Err(format!("{name} {rows}x{cols} row {r}: rstd {} want {rs}", rstd[r]));
+        }
+        if let Some(mv) = &mean
+            && !close(DType::F32, mv[r], m, tol(0.0, k * mean_abs))
+        {
+            return Err(format!("{name} {rows}x{cols} row {r}: mean {} want {m}", mv[r]));
+        }
+        // Error of y: of the mean (K E mean|x|) and of rstd (relative K E (1 + mean^2 rstd^2)),
+        // times rstd and the weight, plus the roundings of the products.
+        let rel_rstd = k * (1.0 + mean_abs * mean_abs * rs * rs);
+        let t = |i: usize| {
+            let wv = w_opt.map_or(1.0, |w| w[i]).abs();
+            tol(
+                4.0 * E,
+                wv * rs * (k * mean_abs + rel_rstd * (xr[i] - m).abs()) + 4.0 * E * b_opt.map_or(0.0, |b| b[i].abs()),
+            )
+        };
+        compare(
+            &format!("{name} forward row {r} of {rows}x{cols}"),
+            dt,
+            &ys[row.clone()],
+            &want,
+            t,
+            |_| None,
+            |i| format!("x = {:e}", xr[i]),
+        )?;
+        let want = norm_bwd_ref(&xr, w_opt, &gr, eps as f64, layer);
+        let xh: Vec<f64> = xr.iter().map(|&v| (v - m) * rs).collect();
+        let gw: Vec<f64> = (0..cols).map(|i| gr[i] * w_opt.map_or(1.0, |w| w[i])).collect();
+        let s_gw = gw.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
+        let s_gwxh = gw.iter().zip(&xh).map(|(a, b)| (a * b).abs()).sum::<f64>() / cols as f64;
+        // xh = (x - mean) * rstd on the GPU carries the mean's error times rstd (absolute) and
+        // rstd's (relative): |dxh| <= (k + rel_rstd) (mean|x| rstd + |xh|); it enters gx directly
+        // and through the row sums of gw and gw * xh.
+        let dxh = |i: usize| (k + rel_rstd) * (mean_abs * rs + xh[i].abs());
+        let t = |i: usize| {
+            let sums = (k + rel_rstd) * (gw[i].abs() + s_gw + (1.0 + xh[i].abs()) * (s_gwxh + s_gw));
+            tol(4.0 * E, rs * (sums * (1.0 + mean_abs * rs) + dxh(i) * s_gwxh))
+        };
+        compare(
+            &format!("{name} backward row {r} of {rows}x{cols}"),
+            dt,
+            &gx[row.clone()],
+            &want,
+            t,
+            |_| None,
+            |i| format!("x = {:e}, g = {:e}", xr[i], gr[i]),
+        )?;
+        if r == 0 && cols <= 4096 {
+            let f = |x: &[f64]| {
+                norm_ref(x, w_opt, b_opt, eps as f64, layer).0.iter().zip(&gr).map(|(y, g)| y * g).sum::<f64>()
+            };
+            for i in [0, cols / 2, cols - 1] {
+                check_fd(&format!("{name} d/dx[{i}]"), want[i], fd(&xr, i, f), rs * s_gw * cols as f64)?;
+            }
+        }
+        for i in 0..cols {
+            dw[i] += gr[i] * xh[i];
+            db[i] += gr[i];
+            dw_mag[i] += (gr[i] * xh[i]).abs();
+            dw_err[i] += gr[i].abs() * dxh(i);
+            db_mag[i] += gr[i].abs();
+        }
+    }
+    // Parameter gradients: column sums over the rows (sequential chains of at most `rows`).
+    let kc = (rows as f64 + 16.0) * E + k;
+    if let Some(gw) = &grads.weight {
+        let got = gw.to_f32_vec().map_err(e)?;
+        compare(
+            &format!("{name} weight gradient {rows}x{cols}"),
+            dt,
+            &got,
+            &dw,
+            |i| tol(0.0, kc * 2.0 * dw_mag[i] + dw_err[i]),
+            |_| None,
+            |i| format!("column {i}"),
+        )?;
+    } else if affine {
+        return Err(format!("{name}: no weight gradient"));
+    }
+    if let Some(gb) = &grads.bias {
+        let got = gb.to_f32_vec().map_err(e)?;
+        compare(
+            &format!("{name} bias gradient {rows}x{cols}"),
+            dt,
+            &got,
+            &db,
+            |i| tol(0.0, kc * db_mag[i]),
+            |_| None,
+            |i| format!("column {i}"),
+        )?;
+    }
+    if affine != grads.weight.is_some() || (affine && layer) != grads.bias.is_some() {
+        return Err(format!("{name}: parameter gradients returned for parameters not given (or missing)"));
+    }
+    // Determinism of the forward and of the column sums.
+    let (y2, _) = if layer { ops::layer_norm(&x, wo, bo, eps) } else { ops::rms_norm(&x, wo, eps) }.map_err(e)?;
+    if bits(&y2)? != bits(&y)? {
+        return Err(format!("{name}: two forward runs differ"));
+    }
+    if let Some(gw) = &grads.weight {
+        let again = if layer {
+            ops::layer_norm_backward(&x, wo, bo.is_some(), &stats, &g)
+        } else {
+            ops::rms_norm_backward(&x, wo, &stats, &g)
+        }
+        .map_err(e)?;
+        if bits(again.weight.as_ref().unwrap())? != bits(gw)? {
+            return Err(format!("{name}: two weight gradients differ"));
+        }
+    }
+    Ok(())
+}
+
+// --- cross-entropy --------------------------------------------------------------------------------
+
+fn ce_case(
+    dev: &Device,
+    rows: usize,
+    cols: usize,
+    dt: DType,
+    red: Reduction,
+    smoothing: f32,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let xs = values(&mut rng, rows * cols, dt);
+    let ignore = -100i64;
+    let ts: Vec<i64> = (0..rows).map(|_| if rng.unit() < 0.1 { ignore } else { rng.below(cols) as i64 }).collect();
+    let x = tensor(dev, &xs, &[rows, cols], dt)?;
+    let t = IndexTensor::from_slice(dev, &ts, &[rows]).map_err(e)?;
+    let opts = CrossEntropyOpts { reduction: red, ignore_index: ignore, label_smoothing: smoothing };
+    let (loss, saved) = ops::cross_entropy(&x, &t, opts).map_err(e)?;
+    let eps = smoothing as f64;
+    let k = k_of(cols) * E;
+    let mut losses = vec![0.0f64; rows];
+    let mut mags = vec![0.0f64; rows];
+    let mut lses = vec![0.0f64; rows];
+    for r in 0..rows {
+        let xr: Vec<f64> = xs[r * cols..(r + 1) * cols].iter().map(|&v| v as f64).collect();
+        let m = xr.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + xr.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        lses[r] = lse;
+        if ts[r] != ignore {
+            let sx: f64 = xr.iter().sum();
+            losses[r] = lse - (1.0 - eps) * xr[ts[r] as usize] - eps / cols as f64 * sx;
+            mags[r] =
+                lse.abs() + xr[ts[r] as usize].abs() + eps * xr.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
+        }
+    }
+    let count = ts.iter().filter(|&&v| v != ignore).count();
+    let got = loss.to_f32_vec().map_err(e)?;
+    match red {
+        Reduction::None => {
+            compare(
+                "cross_entropy none",
+                dt,
+                &got,
+                &losses,
+                |i| tol(0.0, k * (1.0 + mags[i])),
+                |_| None,
+                |i| format!("row {i}, target {}", ts[i]),
+            )?;
+        }
+        Reduction::Sum | Reduction::Mean => {
+            let s: f64 = losses.iter().sum();
+            let mag: f64 = mags.iter().sum::<f64>() + count as f64;
+            let (want, m) = if red == Reduction::Sum { (s, mag) } else { (s / count as f64, mag / count as f64) };
+            let kr = k + (rows as f64 + 16.0) * E;
+            compare(
+                &format!("cross_entropy {red:?}"),
+                dt,
+                &got,
+                &[want],
+                |_| tol(0.0, kr * m),
+                |_| None,
+                |_| format!("{rows}x{cols}"),
+            )?;
+        }
+    }
+    // Backward with a non-trivial upstream gradient.
+    let gl: Vec<f32> = match red {
+        Reduction::None => (0..rows).map(|_| round_to(dt, rng.normal() as f32)).collect(),
+        _ => vec![round_to(dt, 0.75)],
+    };
+    let gshape: &[usize] = if red == Reduction::None { &[rows] } else { &[] };
+    let gt = tensor(dev, &gl, gshape, dt)?;
+    let gx = ops::cross_entropy_backward(&x, &t, &saved, &gt).map_err(e)?.to_f32_vec().map_err(e)?;
+    let mut want = vec![0.0f64; rows * cols];
+    for r in 0..rows {
+        if ts[r] == ignore {
+            continue;
+        }
+        let gn = match red {
+            Reduction::None => gl[r] as f64,
+            Reduction::Sum => gl[0] as f64,
+            Reduction::Mean => gl[0] as f64 / count as f64,
+        };
+        for c in 0..cols {
+            let p = (xs[r * cols + c] as f64 - lses[r]).exp();
+            let hot = if c as i64 == ts[r] { 1.0 - eps } else { 0.0 };
+            want[r * cols + c] = gn * (p - eps / cols as f64 - hot);
+        }
+    }
+    let gmag = |i: usize| {
+        let r = i / cols;
+        let gn = match red {
+            Reduction::None => gl[r].abs() as f64,
+            Reduction::Sum => gl[0].abs() as f64,
+            Reduction::Mean => gl[0].abs() as f64 / count.max(1) as f64,
+        };
+        // exp(x - lse) with lse's error K E (1 + |lse|) relative, plus the subtraction.
+        gn * ((xs[i] as f64 - lses[r]).exp() * k * (2.0 + lses[r].abs() + (xs[i] as f64).abs()) + 4.0 * E)
+    };
+    compare(
+        &format!("cross_entropy {red:?} backward {rows}x{cols}"),
+        dt,
+        &gx,
+        &want,
+        |i| tol(0.0, gmag(i)),
+        |_| None,
+        |i| format!("row {}, col {}, target {}", i / cols, i % cols, ts[i / cols]),
+    )?;
+    Ok(())
+}
+
+fn ce_errors(dev: &Device) -> Result<(), String> {
+    let x = Tensor::rand_normal(dev, &[4, 10], DType::F32, 0.0, 1.0, 1).map_err(e)?;
+    let t = IndexTensor::from_slice(dev, &[1, 2, 10, 3], &[4]).map_err(e)?;
+    match ops::cross_entropy(&x, &t, CrossEntropyOpts::default()) {
+        Err(Error::InvalidArgument { message, .. }) if message.contains("row 2") => {}
+        other => return Err(format!("an out-of-range target must be an error naming its row, got {other:?}")),
+    }
+    let t = IndexTensor::from_slice(dev, &[1, 2, 3], &[3]).map_err(e)?;
+    if !matches!(ops::cross_entropy(&x, &t, CrossEntropyOpts::default()), Err(Error::ShapeMismatch { .. })) {
+        return Err("a target of the wrong length must be a shape error".into());
+    }
+    let t = IndexTensor::from_slice(dev, &[-100; 4], &[4]).map_err(e)?;
+    let (l, _) = ops::cross_entropy(&x, &t, CrossEntropyOpts::default()).map_err(e)?;
+    if !l.to_f32_vec().map_err(e)?[0].is_nan() {
+        return Err("the mean over no rows (all ignored) must be NaN, as in PyTorch".into());
+    }
+    Ok(())
+}
+
+fn norm_errors(dev: &Device) -> Result<(), String> {
+    let x = Tensor::rand_normal(dev, &[4, 10], DType::F32, 0.0, 1.0, 1).map_err(e)?;
+    let w = Tensor::full(dev, &[9], DType::F32, 1.0).map_err(e)?;
+    if !matches!(ops::layer_norm(&x, Some(&w), None, 1e-5), Err(Error::ShapeMismatch { .. })) {
+        return Err("a weight of the wrong length must be a shape error".into());
+    }
+    if !matches!(ops::rms_norm(&x, None, f32::NAN), Err(Error::InvalidArgument { .. })) {
+        return Err("a NaN eps must be rejected".into());
+    }
+    let s = Tensor::full(dev, &[], DType::F32, 1.0).map_err(e)?;
+    if !matches!(ops::softmax(&s), Err(Error::InvalidArgument { .. })) {
+        return Err("softmax of a scalar (no last dimension) must be an error".into());
+    }
+    // Empty: no rows.
+    let z = Tensor::zeros(dev, &[0, 7], DType::BF16).map_err(e)?;
+    if ops::softmax(&z).map_err(e)?.shape() != [0, 7] {
+        return Err("softmax of [0, 7] must be [0, 7]".into());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let mut tests = Vec::new();
+    for log in [false, true] {
+        let name = if log { "log_softmax" } else { "softmax" };
+        tests.push(test(format!("{name}/random_shapes"), move |dev: &Device| {
+            prop(48, (shapes(), dtype(), any::<u64>()), |((r, c), dt, seed)| softmax_case(dev, r, c, dt, log, seed))
+        }));
+    }
+    // Each kernel path once, deterministically, in every dtype: v1 (128), v2 (1024), v4/v8
+    // (4096, 16384, 32768), streaming aligned (40000) and unaligned (1031, 100003).
+    for (rows, cols) in
+        [(300, 128), (64, 1024), (16, 4096), (4, 16384), (3, 32768), (2, 40000), (33, 1031), (2, 100003)]
+    {
+        tests.push(test(format!("softmax/paths/{rows}x{cols}"), move |dev: &Device| {
+            for dt in DType::ALL {
+                for log in [false, true] {
+                    softmax_case(dev, rows, cols, dt, log, (rows * cols) as u64)?;
+                }
+            }
+            Ok(())
+        }));
+        tests.push(test(format!("norms/paths/{rows}x{cols}"), move |dev: &Device| {
+            for dt in DType::ALL {
+                for layer in [true, false] {
+                    norm_case(dev, rows, cols, dt, layer, true, (rows + cols) as u64)?;
+                }
+            }
+            Ok(())
+        }));
+    }
+    tests.push(test("softmax/specials", |dev: &Device| {
+        for dt in DType::ALL {
+            for cols in [1, 5, 64, 1031, 4096, 40000] {
+                softmax_specials(dev, dt, cols)?;
+            }
+        }
+        Ok(())
+    }));
+    for layer in [true, false] {
+        let name = if layer { "layer_norm" } else { "rms_norm" };
+        tests.push(test(format!("{name}/random_shapes"), move |dev: &Device| {
+            prop(40, (shapes(), dtype(), any::<bool>(), any::<u64>()), |((r, c), dt, affine, seed)| {
+                norm_case(dev, r, c, dt, layer, affine, seed)
+            })
+        }));
+    }
+    tests.push(test("norms/many_rows_persistent", |dev: &Device| {
+        // More rows than a wave of blocks: the persistent backward's loop and its partial sums.
+        let rows = if sanitizer() { 300 } else { 20000 };
+        for dt in DType::ALL {
+            norm_case(dev, rows, 64, dt, true, true, 5)?;
+            norm_case(dev, rows, 128, dt, false, true, 6)?;
+        }
+        Ok(())
+    }));
+    tests.push(test("norms/errors", norm_errors));
+    for red in [Reduction::None, Reduction::Sum, Reduction::Mean] {
+        tests.push(test(format!("cross_entropy/{red:?}/random_shapes"), move |dev: &Device| {
+            let smooth = prop_oneof![Just(0.0f32), Just(0.1f32), 0.0f32..1.0];
+            prop(24, (shapes(), dtype(), smooth, any::<u64>()), |((r, c), dt, s, seed)| {
+                ce_case(dev, r, c.max(2), dt, red, s, seed)
+            })
+        }));
+    }
+    tests.push(test("cross_entropy/32000_classes", |dev: &Device| {
+        for dt in DType::ALL {
+            ce_case(dev, 16, 32000, dt, Reduction::Mean, 0.1, 3)?;
+            ce_case(dev, 5, 32001, dt, Reduction::None, 0.0, 4)?;
+        }
+        Ok(())
+    }));
+    tests.push(test("cross_entropy/errors", ce_errors));
+    run(tests)
+}
