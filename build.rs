@@ -19,8 +19,13 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels-gpu/build_ptx.rs");
     println!("cargo:rerun-if-changed=rust-toolchain.toml");
     let out = out_dir.join("kernels.ptx");
-    if let Err(e) = build_ptx(&root.join("kernels-gpu"), &default_ptx_target_dir(&root), &arch, &out) {
-        panic!("{e}");
+    match build_ptx(&root.join("kernels-gpu"), &default_ptx_target_dir(&root), &arch, &out) {
+        Ok(warnings) => {
+            for w in warnings {
+                println!("cargo:warning=kernels-gpu (nvptx64): {w}");
+            }
+        }
+        Err(e) => panic!("{e}"),
     }
     let ptx = std::fs::read(&out).expect("the PTX was just written");
     let packed = miniz_oxide::deflate::compress_to_vec(&ptx, 9);

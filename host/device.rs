@@ -73,6 +73,9 @@ struct Inner {
     poison_alloc: bool,
     /// Freed blocks by capacity, reused without a driver call (see `alloc`).
     pool: Mutex<HashMap<usize, Vec<sys::CUdeviceptr>>>,
+    /// `blocks_per_sm` answers by (kernel, threads, shared bytes): the driver's occupancy query
+    /// costs microseconds, as much as a small kernel.
+    occupancy: Mutex<HashMap<(usize, u32, u32), u32>>,
 }
 
 // SAFETY: CUDA driver handles (context, stream, module, functions) may be used from any thread
@@ -190,6 +193,10 @@ impl Device {
     /// dynamic shared memory (at least 1).
     pub(crate) fn blocks_per_sm(&self, kernel: &str, threads: u32, smem: u32) -> Result<u32> {
         let i = self.kernel_index(kernel)?;
+        let key = (i, threads, smem);
+        if let Some(&b) = self.0.occupancy.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(b);
+        }
         self.bind()?;
         let mut blocks = 0i32;
         // SAFETY: the function belongs to this device's module; the out-pointer is a local.
@@ -203,7 +210,9 @@ impl Device {
             .result()
             .map_err(|e| driver("occupancy", e))?;
         }
-        Ok(blocks.max(1) as u32)
+        let b = blocks.max(1) as u32;
+        self.0.occupancy.lock().unwrap_or_else(|p| p.into_inner()).insert(key, b);
+        Ok(b)
     }
 
     /// Dynamic shared memory a block may use (the opt-in maximum, which every kernel is
@@ -547,6 +556,7 @@ impl Inner {
             sync_each_launch: std::env::var("KERNELS_SYNC").is_ok_and(|v| v == "1"),
             poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
             pool: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 }

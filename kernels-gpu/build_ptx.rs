@@ -10,7 +10,9 @@ use std::process::Command;
 ///
 /// The crate is built as a `staticlib` with fat LTO, so the one `.s` file holds every kernel and
 /// whatever `core` code they use; no linker is involved (see `shared/toolchain.md`).
-pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) -> Result<(), String> {
+/// Returns rustc's warnings about the device crate (the lines of each `warning:` block), which
+/// the callers show: cargo hides a build script's output.
+pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) -> Result<Vec<String>, String> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(crate_dir)
@@ -50,7 +52,12 @@ pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) ->
         return Err(format!("{} holds no kernel entry points", out.display()));
     }
     std::fs::write(out, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
-    Ok(())
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    Ok(stderr
+        .lines()
+        .filter(|l| l.starts_with("warning:") && !l.contains("generated") && !l.contains("profiles for the non root"))
+        .map(str::to_string)
+        .collect())
 }
 
 /// The largest block a kernel is launched with, where ptxas must know it: rustc has no

@@ -579,10 +579,11 @@ fn main() -> ExitCode {
         }));
     }
     // Each kernel path once, deterministically, in every dtype: v1 (128), v2 (1024), v4/v8
-    // (4096, 16384, 32768), streaming aligned (40000) and unaligned (1031, 100003).
-    for (rows, cols) in
-        [(300, 128), (64, 1024), (16, 4096), (4, 16384), (3, 32768), (2, 40000), (33, 1031), (2, 100003)]
-    {
+    // (4096, 16384, 32768), streaming aligned (40000) and unaligned (1031, 100003); and with
+    // enough rows (at least 4 per SM) for the wide groups of short rows (four vectors a thread).
+    let paths = [(300, 128), (64, 1024), (16, 4096), (4, 16384), (3, 32768), (2, 40000), (33, 1031), (2, 100003)];
+    let wide = if sanitizer() { vec![] } else { vec![(2048, 128), (600, 1024), (700, 24)] };
+    for (rows, cols) in paths.into_iter().chain(wide) {
         tests.push(test(format!("softmax/paths/{rows}x{cols}"), move |dev: &Device| {
             for dt in DType::ALL {
                 for log in [false, true] {

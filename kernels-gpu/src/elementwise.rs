@@ -412,14 +412,29 @@ mod device {
                 r += step;
             }
         }
-        // Reduce the 8 row lanes of each column through shared memory, in a fixed order.
+        // SAFETY: partial holds N_ACC * chunks * cols floats (host-checked); 2 * 256 floats of
+        // shared memory.
+        unsafe { col_block_store([acc0, acc1], R::N_ACC, partial, cols, col) };
+    }
+
+    /// The end of a column-reduction block (`COL_BLOCK_X` columns by `COL_BLOCK_Y` row lanes):
+    /// adds the row lanes' sums of each column through shared memory, in a fixed order, and
+    /// writes accumulator `a < n_acc` of column `col` to `partial[a][blockIdx.y][col]`. Every
+    /// thread of the block must call it.
+    ///
+    /// # Safety
+    /// `partial` holds `n_acc * gridDim.y * cols` floats; the launch has `2 * 256` floats of
+    /// dynamic shared memory.
+    pub unsafe fn col_block_store(acc: [f32; 2], n_acc: usize, partial: *mut f32, cols: u64, col: u64) {
+        let (tx, ty) = (thread_idx_x(), thread_idx_y());
+        let chunks = grid_dim_y() as u64;
         let smem = dyn_smem::<f32>();
         let lanes = (COL_BLOCK_X * COL_BLOCK_Y) as usize;
         let me = (ty * COL_BLOCK_X + tx) as usize;
-        // SAFETY: the host launches with 2 * 256 * 4 bytes of dynamic shared memory.
+        // SAFETY: me < lanes; shared memory holds 2 * lanes floats.
         unsafe {
-            *smem.add(me) = acc0;
-            *smem.add(lanes + me) = acc1;
+            *smem.add(me) = acc[0];
+            *smem.add(lanes + me) = acc[1];
         }
         sync_threads();
         if ty == 0 && col < cols {
@@ -433,10 +448,10 @@ mod device {
                 }
             }
             let k = block_idx_y() as u64;
-            // SAFETY: partial holds N_ACC * chunks * cols floats (host-checked).
+            // SAFETY: per the function contract.
             unsafe {
                 *partial.add((k * cols + col) as usize) = s0;
-                if R::N_ACC > 1 {
+                if n_acc > 1 {
                     *partial.add(((chunks + k) * cols + col) as usize) = s1;
                 }
             }

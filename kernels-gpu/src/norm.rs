@@ -50,7 +50,7 @@ pub const COLSUM_LANES: u32 = 16;
 mod device {
     use super::*;
     use crate::dtype::{Elem, for_lanes};
-    use crate::elementwise::{COL_BLOCK_X, COL_BLOCK_Y};
+    use crate::elementwise::{COL_BLOCK_X, COL_BLOCK_Y, col_block_store};
     use crate::math::sqrt;
     use crate::prim::*;
     use crate::rows::*;
@@ -562,32 +562,9 @@ mod device {
                 r += step;
             }
         }
-        let smem = dyn_smem::<f32>();
-        let lanes = (COL_BLOCK_X * COL_BLOCK_Y) as usize;
-        let me = (ty * COL_BLOCK_X + tx) as usize;
-        // SAFETY: the host launches with 2 * 256 floats of shared memory.
-        unsafe {
-            *smem.add(me) = dw;
-            *smem.add(lanes + me) = db;
-        }
-        sync_threads();
-        if ty == 0 && col < cols {
-            let (mut s0, mut s1) = (0.0f32, 0.0f32);
-            for l in 0..COL_BLOCK_Y {
-                let j = (l * COL_BLOCK_X + tx) as usize;
-                // SAFETY: j < lanes.
-                unsafe {
-                    s0 += *smem.add(j);
-                    s1 += *smem.add(lanes + j);
-                }
-            }
-            let k = block_idx_y() as u64;
-            // SAFETY: partial holds 2 * chunks * cols floats.
-            unsafe {
-                *partial.add((k * cols + col) as usize) = s0;
-                *partial.add(((chunks + k) * cols + col) as usize) = s1;
-            }
-        }
+        // SAFETY: partial holds 2 * chunks * cols floats; the host launches with 2 * 256 floats
+        // of shared memory.
+        unsafe { col_block_store([dw, db], 2, partial, cols, col) };
     }
 
     /// `out[c] = sum_k partial[k * cols + c]`: 32 columns by `COLSUM_LANES` lanes per block;

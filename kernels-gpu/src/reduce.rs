@@ -180,7 +180,7 @@ mod device {
                 |acc, _, r| O::op(acc, lanes::<T, O>(&T::unpack(r))),
                 // SAFETY: i < n.
                 #[inline(always)]
-                |acc, i| O::op(acc, unsafe { (*x.add(i as usize)).to_f32() }),
+                |acc, i| O::op(acc, (*x.add(i as usize)).to_f32()),
             )
         };
         let [r] = group_reduce(&g, [acc], [O::ID], combine1::<O>);
@@ -316,7 +316,7 @@ mod device {
                 |b, i, r| take_vector::<T>(b, i, r),
                 // SAFETY: i < n.
                 #[inline(always)]
-                |b, i| take(b, unsafe { (*x.add(i as usize)).to_f32() }, i),
+                |b, i| take(b, (*x.add(i as usize)).to_f32(), i),
             )
         };
         let r = group_reduce(&g, pack(best), pack((f32::NEG_INFINITY, NONE)), arg_combine);

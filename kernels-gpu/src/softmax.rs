@@ -27,7 +27,6 @@ pub type SoftmaxBwdArgs<T> = (*const T, *const T, *mut T, u64, u64);
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
-    use super::*;
     use crate::dtype::{Elem, for_lanes};
     use crate::fastmath::{exp, exp_for, log};
     use crate::prim::*;
@@ -131,7 +130,7 @@ mod device {
             #[inline(always)]
             |s| {
                 if slot_present(&g, s, nvec, ok) {
-                    let v = T::unpack(raw[s]);
+                    let v = T::unpack(opaque(raw[s]));
                     for_lanes::<T>(
                         #[inline(always)]
                         |k| sum += exp_for::<T>(v[k] - o),

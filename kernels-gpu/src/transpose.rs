@@ -242,7 +242,7 @@ mod device {
                 );
                 let orow = r0 + v * q as u64;
                 // Output rows p + 16i of the tile: one base, 16 output rows apart.
-                let mut d = y.wrapping_add(((b * cols + c0 + p as u64) * rows + orow) as usize);
+                let d = y.wrapping_add(((b * cols + c0 + p as u64) * rows + orow) as usize);
                 unrolled::<V>(
                     #[inline(always)]
                     |i| {
