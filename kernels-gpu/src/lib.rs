@@ -6,7 +6,9 @@
 //! the math ([`math`]), so the CPU tests run the very code the GPU runs.
 //!
 //! Layout: [`prim`] holds every device primitive (indices, barriers, shuffles, shared memory,
-//! 16-byte loads and stores, conversions); each other module is one kernel family.
+//! 16-byte loads and stores, conversions); [`kernel`], [`dtype`], [`ops`], [`math`],
+//! [`fastmath`] and [`rows`] are what the kernels share (signatures, storage types, the op
+//! formulas, the math, the row machinery); every other module is one kernel family.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
 #![feature(core_float_math)]

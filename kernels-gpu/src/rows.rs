@@ -7,20 +7,19 @@
 //! warp's loads are contiguous and every byte of a row is read by exactly one thread.
 //!
 //! Two ways to run a row:
-//! - *Register-resident* (`V` vectors per thread, `V` in [`REG_V`]): the whole row is loaded once
-//!   into registers, reduced, and written from registers: one pass over memory, the minimum.
-//!   Needs rows of whole vectors (`cols % VEC == 0`, so every row starts 16-byte aligned) and
-//!   `cols <= G * V * VEC` with `G <= 1024`.
+//! - *Register-resident* (`V` vectors per thread, `V` in 1, 2, 4, 8, instantiated per family as
+//!   its registers allow): the whole row is loaded once into registers, reduced, and written
+//!   from registers: one pass over memory, the minimum. Needs rows of whole vectors
+//!   (`cols % VEC == 0`, so every row starts 16-byte aligned) and `cols <= G * V * VEC` with
+//!   `G <= 1024`. Kernels named `*_v4_*` and `*_v8_*` carry `.maxntid 1024` (build_ptx.rs).
 //! - *Streaming*: any row, of any length or alignment. The row is read once to reduce and read
 //!   again to write; the second read of a row mostly hits L2, since the group has just read it.
 //!   Unaligned rows are split into a scalar head, whole aligned vectors and a scalar tail.
 //!
-//! Group reductions have a fixed shape (butterfly within a warp, then warps in order through
-//! shared memory), so every result is bit-for-bit reproducible, and every thread of the group
-//! receives the same value.
+//! Group reductions have a fixed shape (a butterfly within a warp, then a butterfly over the
+//! warps' results through shared memory), so every result is bit-for-bit reproducible, and every
+//! thread of the group receives the same value.
 
-/// Vectors per thread of the register-resident kernels (a kernel is instantiated for each).
-pub const REG_V: [usize; 4] = [1, 2, 4, 8];
 /// Most threads in a group (a block).
 pub const MAX_GROUP: u32 = 1024;
 /// Threads per block the host aims for when a group is smaller than a block.
