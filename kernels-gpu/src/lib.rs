@@ -5,8 +5,8 @@
 //! agree on: each kernel family's parameter list ([`kernel`]), the op definitions ([`ops`]) and
 //! the math ([`math`]), so the CPU tests run the very code the GPU runs.
 //!
-//! Layout: [`prim`] holds every device primitive (indices, barriers, shuffles, shared memory,
-//! 16-byte loads and stores, conversions); [`kernel`], [`dtype`], [`ops`], [`math`],
+//! Layout: `prim` (nvptx64 only) holds every device primitive (indices, barriers, shuffles, shared memory,
+//! 16-byte loads and stores, conversions); [`kernel`](mod@kernel), [`dtype`], [`ops`], [`math`],
 //! [`fastmath`] and [`rows`] are what the kernels share (signatures, storage types, the op
 //! formulas, the math, the row machinery); every other module is one kernel family.
 #![no_std]
