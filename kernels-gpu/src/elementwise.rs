@@ -17,7 +17,7 @@ use crate::dtype::Elem;
 #[cfg(target_arch = "nvptx64")]
 use crate::dtype::for_lanes;
 #[cfg(target_arch = "nvptx64")]
-use crate::ops::{BinaryFn, UnaryFn};
+use crate::ops::{BinaryFn, UnaryFn, bwd_for, fwd_for};
 
 /// `y[i] = op(x[i]; a, b)` for `i < n`. `y == x` is allowed (in place).
 pub type UnaryFwdArgs<T> = (*const T, *mut T, u64, f32, f32);
@@ -146,12 +146,12 @@ mod device {
                 |o, mut v| {
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| v[k] = O::fwd(v[k], a, b),
+                        |k| v[k] = fwd_for::<O, T>(v[k], a, b),
                     );
                     store(y.add(o), &v);
                 },
                 #[inline(always)]
-                |i| *y.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), a, b)),
+                |i| *y.add(i) = T::from_f32(fwd_for::<O, T>((*x.add(i)).to_f32(), a, b)),
             )
         }
     }
@@ -167,12 +167,12 @@ mod device {
                 |o, (vx, mut vg)| {
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| vg[k] = O::bwd(vx[k], vg[k], a, b),
+                        |k| vg[k] = bwd_for::<O, T>(vx[k], vg[k], a, b),
                     );
                     store(gx.add(o), &vg);
                 },
                 #[inline(always)]
-                |i| *gx.add(i) = T::from_f32(O::bwd((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
+                |i| *gx.add(i) = T::from_f32(bwd_for::<O, T>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
             )
         }
     }
@@ -233,9 +233,9 @@ mod device {
 
     /// How a row-broadcast op uses its per-column parameters.
     pub trait RowOp {
-        fn fwd(x: f32, p0: f32, p1: f32, a: f32, b: f32) -> f32;
+        fn fwd<T: Elem>(x: f32, p0: f32, p1: f32, a: f32, b: f32) -> f32;
         /// (dL/dx, first accumulator, second accumulator).
-        fn bwd(x: f32, p0: f32, p1: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32);
+        fn bwd<T: Elem>(x: f32, p0: f32, p1: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32);
         /// Whether `p1` is read (null for binary ops).
         const USES_P1: bool;
         /// Accumulators written to `partial`.
@@ -246,11 +246,11 @@ mod device {
     pub struct BiasBinary<O>(core::marker::PhantomData<O>);
     impl<O: BinaryFn> RowOp for BiasBinary<O> {
         #[inline(always)]
-        fn fwd(x: f32, p0: f32, _: f32, _: f32, _: f32) -> f32 {
+        fn fwd<T: Elem>(x: f32, p0: f32, _: f32, _: f32, _: f32) -> f32 {
             O::fwd(x, p0)
         }
         #[inline(always)]
-        fn bwd(x: f32, p0: f32, _: f32, g: f32, _: f32, _: f32) -> (f32, f32, f32) {
+        fn bwd<T: Elem>(x: f32, p0: f32, _: f32, g: f32, _: f32, _: f32) -> (f32, f32, f32) {
             let (gx, gp) = O::bwd(x, p0, g);
             (gx, gp, 0.0)
         }
@@ -262,12 +262,12 @@ mod device {
     pub struct ScaleBiasAct<A>(core::marker::PhantomData<A>);
     impl<A: UnaryFn> RowOp for ScaleBiasAct<A> {
         #[inline(always)]
-        fn fwd(x: f32, s: f32, t: f32, a: f32, b: f32) -> f32 {
-            A::fwd(crate::math::fma(x, s, t), a, b)
+        fn fwd<T: Elem>(x: f32, s: f32, t: f32, a: f32, b: f32) -> f32 {
+            fwd_for::<A, T>(crate::math::fma(x, s, t), a, b)
         }
         #[inline(always)]
-        fn bwd(x: f32, s: f32, t: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32) {
-            let dz = A::bwd(crate::math::fma(x, s, t), g, a, b);
+        fn bwd<T: Elem>(x: f32, s: f32, t: f32, g: f32, a: f32, b: f32) -> (f32, f32, f32) {
+            let dz = bwd_for::<A, T>(crate::math::fma(x, s, t), g, a, b);
             (dz * s, dz * x, dz)
         }
         const USES_P1: bool = true;
@@ -320,7 +320,7 @@ mod device {
                     let (s, t) = (param_vec(p0, c0, true), param_vec(p1, c0, R::USES_P1));
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| v[k] = R::fwd(v[k], s[k], t[k], a, b),
+                        |k| v[k] = R::fwd::<T>(v[k], s[k], t[k], a, b),
                     );
                 } else {
                     for_lanes::<T>(
@@ -329,7 +329,7 @@ mod device {
                             let c = c0 + k as u64;
                             let c = if c < cols { c } else { c % cols };
                             let (s, t) = (param(p0, c, true), param(p1, c, R::USES_P1));
-                            v[k] = R::fwd(v[k], s, t, a, b);
+                            v[k] = R::fwd::<T>(v[k], s, t, a, b);
                         },
                     );
                 }
@@ -348,7 +348,7 @@ mod device {
             unsafe {
                 let (s, tt) = (param(p0, c, true), param(p1, c, R::USES_P1));
                 let t = t as usize;
-                *y.add(t) = T::from_f32(R::fwd((*x.add(t)).to_f32(), s, tt, a, b));
+                *y.add(t) = T::from_f32(R::fwd::<T>((*x.add(t)).to_f32(), s, tt, a, b));
             }
         }
     }
@@ -375,7 +375,7 @@ mod device {
             let mut r = block_idx_y() as u64 * COL_BLOCK_Y as u64 + ty as u64;
             let mut one = #[inline(always)]
             |i: usize, xv: f32, gv: f32| {
-                let (dx, d0, d1) = R::bwd(xv, s, t, gv, a, b);
+                let (dx, d0, d1) = R::bwd::<T>(xv, s, t, gv, a, b);
                 // SAFETY: i < rows * cols, gx's length (callers index rows below `rows`).
                 unsafe { *gx.add(i) = T::from_f32(dx) };
                 acc0 += d0;
