@@ -73,82 +73,83 @@ mod device {
         eps: f32,
     ) {
         let g = Group::this();
-        let mut row = g.first_row();
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            // SAFETY: every index below is < cols within row `row`.
-            let xr = unsafe { x.add(off) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            // Two passes: the max and the sum of the logits, then the sum of exp(x - max) (the
-            // row again, from L2 as a rule: the group has just read it). One `exp` per element,
-            // where a single online pass rescales its running sum at every chunk.
-            let load = #[inline(always)]
-            |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
-            let one = #[inline(always)]
-            |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
-            let st = fold_row(
-                sp,
-                T::VEC as u64,
-                &g,
-                [f32::NEG_INFINITY, 0.0],
-                load,
-                #[inline(always)]
-                |mut acc, _, v| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| acc = [nan_max(acc[0], v[k]), acc[1] + v[k]],
-                    );
-                    acc
-                },
-                #[inline(always)]
-                |acc, c| [nan_max(acc[0], one(c)), acc[1] + one(c)],
-            );
-            let [m, sx] = group_reduce(&g, st, [f32::NEG_INFINITY, 0.0], max_add);
-            let o = offset(m);
-            let s = fold_row(
-                sp,
-                T::VEC as u64,
-                &g,
-                0.0f32,
-                load,
-                #[inline(always)]
-                |mut acc, _, v| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| acc += exp_for::<T>(v[k] - o),
-                    );
-                    acc
-                },
-                #[inline(always)]
-                |acc, c| acc + exp_for::<T>(one(c) - o),
-            );
-            let [s] = group_reduce(&g, [s], [0.0], add1);
-            if ok && g.t == 0 {
-                let l = o + log(s);
-                // SAFETY: row < rows: target, loss, lse hold `rows` entries; the target is
-                // checked against [0, cols) before it indexes the row.
-                unsafe {
-                    let t = *target.add(row as usize);
-                    let v = if t == ignore {
-                        0.0
-                    } else if t < 0 || t as u64 >= cols {
-                        *bad = row + 1;
-                        f32::NAN
-                    } else {
-                        let xt = (*xr.add(t as usize)).to_f32();
-                        l - (1.0 - eps) * xt - (eps / cols as f32) * sx
-                    };
-                    *loss.add(row as usize) = v;
-                    *lse.add(row as usize) = l;
-                    if !loss_out.is_null() {
-                        *loss_out.add(row as usize) = T::from_f32(v);
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                // SAFETY: every index below is < cols within row `row`.
+                let xr = unsafe { x.add(off) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                // Two passes: the max and the sum of the logits, then the sum of exp(x - max) (the
+                // row again, from L2 as a rule: the group has just read it). One `exp` per element,
+                // where a single online pass rescales its running sum at every chunk.
+                let load = #[inline(always)]
+                |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
+                let one = #[inline(always)]
+                |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
+                let st = fold_row(
+                    sp,
+                    T::VEC as u64,
+                    &g,
+                    [f32::NEG_INFINITY, 0.0],
+                    load,
+                    #[inline(always)]
+                    |mut acc, _, v| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| acc = [nan_max(acc[0], v[k]), acc[1] + v[k]],
+                        );
+                        acc
+                    },
+                    #[inline(always)]
+                    |acc, c| [nan_max(acc[0], one(c)), acc[1] + one(c)],
+                );
+                let [m, sx] = group_reduce(&g, st, [f32::NEG_INFINITY, 0.0], max_add);
+                let o = offset(m);
+                let s = fold_row(
+                    sp,
+                    T::VEC as u64,
+                    &g,
+                    0.0f32,
+                    load,
+                    #[inline(always)]
+                    |mut acc, _, v| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| acc += exp_for::<T>(v[k] - o),
+                        );
+                        acc
+                    },
+                    #[inline(always)]
+                    |acc, c| acc + exp_for::<T>(one(c) - o),
+                );
+                let [s] = group_reduce(&g, [s], [0.0], add1);
+                if ok && g.t == 0 {
+                    let l = o + log(s);
+                    // SAFETY: row < rows: target, loss, lse hold `rows` entries; the target is
+                    // checked against [0, cols) before it indexes the row.
+                    unsafe {
+                        let t = *target.add(row as usize);
+                        let v = if t == ignore {
+                            0.0
+                        } else if t < 0 || t as u64 >= cols {
+                            *bad = row + 1;
+                            f32::NAN
+                        } else {
+                            let xt = (*xr.add(t as usize)).to_f32();
+                            l - (1.0 - eps) * xt - (eps / cols as f32) * sx
+                        };
+                        *loss.add(row as usize) = v;
+                        *lse.add(row as usize) = l;
+                        if !loss_out.is_null() {
+                            *loss_out.add(row as usize) = T::from_f32(v);
+                        }
                     }
                 }
-            }
-            row += g.row_step();
-        }
+            },
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -166,55 +167,56 @@ mod device {
         mode: u32,
     ) {
         let g = Group::this();
-        let mut row = g.first_row();
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
         let smooth = eps / cols as f32;
-        while row < block_rows {
-            if row < rows {
-                let off = (row * cols) as usize;
-                // SAFETY: row < rows; grad holds `rows` entries (none) or one; count one.
-                let (t, l, gn) = unsafe {
-                    let t = *target.add(row as usize);
-                    let gn = match mode {
-                        MODE_NONE => (*grad.add(row as usize)).to_f32(),
-                        MODE_SUM => (*grad).to_f32(),
-                        _ => (*grad).to_f32() / *count,
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                if row < rows {
+                    let off = (row * cols) as usize;
+                    // SAFETY: row < rows; grad holds `rows` entries (none) or one; count one.
+                    let (t, l, gn) = unsafe {
+                        let t = *target.add(row as usize);
+                        let gn = match mode {
+                            MODE_NONE => (*grad.add(row as usize)).to_f32(),
+                            MODE_SUM => (*grad).to_f32(),
+                            _ => (*grad).to_f32() / *count,
+                        };
+                        (t, *lse.add(row as usize), if t == ignore { 0.0 } else { gn })
                     };
-                    (t, *lse.add(row as usize), if t == ignore { 0.0 } else { gn })
-                };
-                let d = |x: f32, c: u64| {
-                    if gn == 0.0 {
-                        return 0.0;
-                    }
-                    let hot = if c as i64 == t { 1.0 - eps } else { 0.0 };
-                    gn * (exp_for::<T>(x - l) - smooth - hot)
-                };
-                // SAFETY: indices below are < cols within row `row`.
-                let (xr, gxr) = unsafe { (x.add(off), gx.add(off)) };
-                let sp = RowSplit::of(xr, cols);
-                fold_row(
-                    sp,
-                    T::VEC as u64,
-                    &g,
-                    (),
-                    #[inline(always)]
-                    |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
-                    #[inline(always)]
-                    |(), c, mut v| {
-                        for_lanes::<T>(
-                            #[inline(always)]
-                            |k| v[k] = d(v[k], c + k as u64),
-                        );
-                        unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&v)) };
-                    },
-                    #[inline(always)]
-                    |(), c| unsafe {
-                        *gxr.add(c as usize) = T::from_f32(d((*xr.add(c as usize)).to_f32(), c));
-                    },
-                );
-            }
-            row += g.row_step();
-        }
+                    let d = |x: f32, c: u64| {
+                        if gn == 0.0 {
+                            return 0.0;
+                        }
+                        let hot = if c as i64 == t { 1.0 - eps } else { 0.0 };
+                        gn * (exp_for::<T>(x - l) - smooth - hot)
+                    };
+                    // SAFETY: indices below are < cols within row `row`.
+                    let (xr, gxr) = unsafe { (x.add(off), gx.add(off)) };
+                    let sp = RowSplit::of(xr, cols);
+                    fold_row(
+                        sp,
+                        T::VEC as u64,
+                        &g,
+                        (),
+                        #[inline(always)]
+                        |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
+                        #[inline(always)]
+                        |(), c, mut v| {
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| v[k] = d(v[k], c + k as u64),
+                            );
+                            unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&v)) };
+                        },
+                        #[inline(always)]
+                        |(), c| unsafe {
+                            *gxr.add(c as usize) = T::from_f32(d((*xr.add(c as usize)).to_f32(), c));
+                        },
+                    );
+                }
+            },
+        );
     }
 
     #[inline(always)]

@@ -213,75 +213,76 @@ mod device {
         eps: f32,
     ) {
         let g = Group::this();
-        let mut row = g.first_row();
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
         let wv = T::VEC as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            // SAFETY: all element indices below are < cols within row `row`.
-            let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            let load = #[inline(always)]
-            |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
-            let one = #[inline(always)]
-            |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
-            // The exact two-pass variance here too: the sum (from memory), then the squared
-            // deviations from the mean (the row again, from L2 as a rule), then the output.
-            let sum_of = |f: &dyn Fn(f32) -> f32| {
-                let s = fold_row(
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                // SAFETY: all element indices below are < cols within row `row`.
+                let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                let load = #[inline(always)]
+                |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
+                let one = #[inline(always)]
+                |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
+                // The exact two-pass variance here too: the sum (from memory), then the squared
+                // deviations from the mean (the row again, from L2 as a rule), then the output.
+                let sum_of = |f: &dyn Fn(f32) -> f32| {
+                    let s = fold_row(
+                        sp,
+                        wv,
+                        &g,
+                        0.0f32,
+                        load,
+                        #[inline(always)]
+                        |mut acc, _, v| {
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| acc += f(v[k]),
+                            );
+                            acc
+                        },
+                        #[inline(always)]
+                        |acc, c| acc + f(one(c)),
+                    );
+                    group_reduce(&g, [s], [0.0], add1)[0]
+                };
+                let st = if N::CENTER {
+                    let m = sum_of(&|v| v) / cols as f32;
+                    [cols as f32, m, sum_of(&|v| (v - m) * (v - m))]
+                } else {
+                    [0.0, 0.0, sum_of(&|v| v * v)]
+                };
+                let (mu, rs) = finish::<N>(st, cols, eps);
+                unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
+                // Parameters are per column: vector loads when this row's vectors start at
+                // multiples of VEC columns (aligned rows), scalar loads otherwise.
+                let pvec = sp.head == 0;
+                fold_row(
                     sp,
                     wv,
                     &g,
-                    0.0f32,
+                    (),
                     load,
                     #[inline(always)]
-                    |mut acc, _, v| {
+                    |(), c, mut v| unsafe {
+                        let (wp, bp) = (params(w, c, pvec, 1.0), params(b, c, pvec, 0.0));
                         for_lanes::<T>(
                             #[inline(always)]
-                            |k| acc += f(v[k]),
+                            |k| v[k] = (v[k] - mu) * rs * wp[k] + bp[k],
                         );
-                        acc
+                        st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v));
                     },
                     #[inline(always)]
-                    |acc, c| acc + f(one(c)),
+                    |(), c| unsafe {
+                        let v = (*xr.add(c as usize)).to_f32();
+                        *yr.add(c as usize) = T::from_f32((v - mu) * rs * param(w, c, 1.0) + param(b, c, 0.0));
+                    },
                 );
-                group_reduce(&g, [s], [0.0], add1)[0]
-            };
-            let st = if N::CENTER {
-                let m = sum_of(&|v| v) / cols as f32;
-                [cols as f32, m, sum_of(&|v| (v - m) * (v - m))]
-            } else {
-                [0.0, 0.0, sum_of(&|v| v * v)]
-            };
-            let (mu, rs) = finish::<N>(st, cols, eps);
-            unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
-            // Parameters are per column: vector loads when this row's vectors start at
-            // multiples of VEC columns (aligned rows), scalar loads otherwise.
-            let pvec = sp.head == 0;
-            fold_row(
-                sp,
-                wv,
-                &g,
-                (),
-                load,
-                #[inline(always)]
-                |(), c, mut v| unsafe {
-                    let (wp, bp) = (params(w, c, pvec, 1.0), params(b, c, pvec, 0.0));
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| v[k] = (v[k] - mu) * rs * wp[k] + bp[k],
-                    );
-                    st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v));
-                },
-                #[inline(always)]
-                |(), c| unsafe {
-                    let v = (*xr.add(c as usize)).to_f32();
-                    *yr.add(c as usize) = T::from_f32((v - mu) * rs * param(w, c, 1.0) + param(b, c, 0.0));
-                },
-            );
-            row += g.row_step();
-        }
+            },
+        );
     }
 
     #[inline(always)]
@@ -368,62 +369,66 @@ mod device {
                 },
             );
         }
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        let mut row = g.first_row();
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
-            let (rx, rg) =
-                unsafe { (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok)) };
-            let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
-            let mut sums = [0.0f32; 2];
-            for_slots::<V>(
-                #[inline(always)]
-                |s| {
-                    if slot_present(&g, s, nvec, ok) {
-                        let (vx, vg, wv) = (T::unpack(rx[s]), T::unpack(rg[s]), weights(s));
-                        let c = slot_col::<T>(&g, s);
-                        for_lanes::<T>(
-                            #[inline(always)]
-                            |k| {
-                                let xh = (vx[k] - mu) * rs;
-                                let gw = vg[k] * wv[k];
-                                sums[0] += gw;
-                                sums[1] += gw * xh;
-                                if sums_on {
-                                    // SAFETY: this thread's own columns (see `acc`).
-                                    unsafe {
-                                        *acc(c, k, 0) += vg[k] * xh;
-                                        *acc(c, k, 1) += vg[k];
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
+                let (rx, rg) = unsafe {
+                    (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok))
+                };
+                let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
+                let mut sums = [0.0f32; 2];
+                for_slots::<V>(
+                    #[inline(always)]
+                    |s| {
+                        if slot_present(&g, s, nvec, ok) {
+                            let (vx, vg, wv) = (T::unpack(rx[s]), T::unpack(rg[s]), weights(s));
+                            let c = slot_col::<T>(&g, s);
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| {
+                                    let xh = (vx[k] - mu) * rs;
+                                    let gw = vg[k] * wv[k];
+                                    sums[0] += gw;
+                                    sums[1] += gw * xh;
+                                    if sums_on {
+                                        // SAFETY: this thread's own columns (see `acc`).
+                                        unsafe {
+                                            *acc(c, k, 0) += vg[k] * xh;
+                                            *acc(c, k, 1) += vg[k];
+                                        }
                                     }
-                                }
-                            },
-                        );
-                    }
-                },
-            );
-            let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
-            for_slots::<V>(
-                #[inline(always)]
-                |s| {
-                    if slot_present(&g, s, nvec, ok) {
-                        // Unpacked again from the packed registers (see `prim::opaque`).
-                        let (vx, mut vg, wv) = (T::unpack(opaque(rx[s])), T::unpack(opaque(rg[s])), weights(s));
-                        for_lanes::<T>(
-                            #[inline(always)]
-                            |k| {
-                                let xh = (vx[k] - mu) * rs;
-                                vg[k] = grad_x::<N>(vg[k] * wv[k], xh, rs, a, b, inv_n);
-                            },
-                        );
-                        // SAFETY: inside row `row` of gx.
-                        unsafe { st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg)) };
-                    }
-                },
-            );
-            row += g.row_step();
-        }
+                                },
+                            );
+                        }
+                    },
+                );
+                let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+                for_slots::<V>(
+                    #[inline(always)]
+                    |s| {
+                        if slot_present(&g, s, nvec, ok) {
+                            // Unpacked again from the packed registers (see `prim::opaque`).
+                            let (vx, mut vg, wv) = (T::unpack(opaque(rx[s])), T::unpack(opaque(rg[s])), weights(s));
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| {
+                                    let xh = (vx[k] - mu) * rs;
+                                    vg[k] = grad_x::<N>(vg[k] * wv[k], xh, rs, a, b, inv_n);
+                                },
+                            );
+                            // SAFETY: inside row `row` of gx.
+                            unsafe {
+                                st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg))
+                            };
+                        }
+                    },
+                );
+            },
+        );
         if !sums_on {
             return;
         }
@@ -461,76 +466,77 @@ mod device {
         cols: u64,
     ) {
         let g = Group::this();
-        let mut row = g.first_row();
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
         let wv = T::VEC as u64;
         let inv_n = 1.0 / cols as f32;
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            // SAFETY: indices below are < cols within row `row`.
-            let (xr, gr_, gxr) = unsafe { (x.add(off), gr.add(off), gx.add(off)) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
-            let pvec = sp.head == 0;
-            let load = #[inline(always)]
-            |c: u64| unsafe {
-                let c_ = c as usize;
-                (
-                    T::unpack(ld_global_nc_v4(xr.add(c_) as *const u32)),
-                    T::unpack(ld_global_nc_v4(gr_.add(c_) as *const u32)),
-                    params(w, c, pvec, 1.0),
-                )
-            };
-            let sums = fold_row(
-                sp,
-                wv,
-                &g,
-                [0.0f32; 2],
-                load,
-                #[inline(always)]
-                |mut acc, _, (vx, vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| {
-                            let gw = vg[k] * wp[k];
-                            acc[0] += gw;
-                            acc[1] += gw * (vx[k] - mu) * rs;
-                        },
-                    );
-                    acc
-                },
-                #[inline(always)]
-                |acc, c| unsafe {
-                    let gw = (*gr_.add(c as usize)).to_f32() * param(w, c, 1.0);
-                    [acc[0] + gw, acc[1] + gw * ((*xr.add(c as usize)).to_f32() - mu) * rs]
-                },
-            );
-            let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
-            fold_row(
-                sp,
-                wv,
-                &g,
-                (),
-                load,
-                #[inline(always)]
-                |(), c, (vx, mut vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| vg[k] = grad_x::<N>(vg[k] * wp[k], (vx[k] - mu) * rs, rs, a, b, inv_n),
-                    );
-                    unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
-                },
-                #[inline(always)]
-                |(), c| unsafe {
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                // SAFETY: indices below are < cols within row `row`.
+                let (xr, gr_, gxr) = unsafe { (x.add(off), gr.add(off), gx.add(off)) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
+                let pvec = sp.head == 0;
+                let load = #[inline(always)]
+                |c: u64| unsafe {
                     let c_ = c as usize;
-                    let gw = (*gr_.add(c_)).to_f32() * param(w, c, 1.0);
-                    let xh = ((*xr.add(c_)).to_f32() - mu) * rs;
-                    *gxr.add(c_) = T::from_f32(grad_x::<N>(gw, xh, rs, a, b, inv_n));
-                },
-            );
-            row += g.row_step();
-        }
+                    (
+                        T::unpack(ld_global_nc_v4(xr.add(c_) as *const u32)),
+                        T::unpack(ld_global_nc_v4(gr_.add(c_) as *const u32)),
+                        params(w, c, pvec, 1.0),
+                    )
+                };
+                let sums = fold_row(
+                    sp,
+                    wv,
+                    &g,
+                    [0.0f32; 2],
+                    load,
+                    #[inline(always)]
+                    |mut acc, _, (vx, vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| {
+                                let gw = vg[k] * wp[k];
+                                acc[0] += gw;
+                                acc[1] += gw * (vx[k] - mu) * rs;
+                            },
+                        );
+                        acc
+                    },
+                    #[inline(always)]
+                    |acc, c| unsafe {
+                        let gw = (*gr_.add(c as usize)).to_f32() * param(w, c, 1.0);
+                        [acc[0] + gw, acc[1] + gw * ((*xr.add(c as usize)).to_f32() - mu) * rs]
+                    },
+                );
+                let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+                fold_row(
+                    sp,
+                    wv,
+                    &g,
+                    (),
+                    load,
+                    #[inline(always)]
+                    |(), c, (vx, mut vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| vg[k] = grad_x::<N>(vg[k] * wp[k], (vx[k] - mu) * rs, rs, a, b, inv_n),
+                        );
+                        unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
+                    },
+                    #[inline(always)]
+                    |(), c| unsafe {
+                        let c_ = c as usize;
+                        let gw = (*gr_.add(c_)).to_f32() * param(w, c, 1.0);
+                        let xh = ((*xr.add(c_)).to_f32() - mu) * rs;
+                        *gxr.add(c_) = T::from_f32(grad_x::<N>(gw, xh, rs, a, b, inv_n));
+                    },
+                );
+            },
+        );
     }
 
     /// Column sums of `g * xh` and `g` for the streaming backward: 32 columns by 8 row lanes per

@@ -215,36 +215,35 @@ mod device {
 
     pub unsafe fn reduce_rows<T: Elem, O: ValueOp>(x: *const T, out: *mut T, rows: u64, cols: u64, scale: f32) {
         let g = Group::this();
-        let mut row = g.first_row();
-        // Persistent: the loop bound is per block, so every thread of a block runs the same
-        // number of group reductions (their barriers stay uniform).
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            // SAFETY: row < rows, so the row's `cols` elements lie inside x.
-            let xr = unsafe { x.add(if ok { (row * cols) as usize } else { 0 }) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            let acc = fold_row(
-                sp,
-                T::VEC as u64,
-                &g,
-                O::ID,
-                // SAFETY (both): fold_row hands out aligned whole vectors and scalar columns
-                // inside the row.
-                #[inline(always)]
-                |c| unsafe { ld_global_nc_v4(xr.add(c as usize) as *const u32) },
-                #[inline(always)]
-                |acc, _, r| O::op(acc, lanes::<T, O>(&T::unpack(r))),
-                #[inline(always)]
-                |acc, c| O::op(acc, unsafe { (*xr.add(c as usize)).to_f32() }),
-            );
-            let [r] = group_reduce(&g, [acc], [O::ID], combine1::<O>);
-            if ok && g.t == 0 {
-                // SAFETY: out holds `rows` elements.
-                unsafe { *out.add(row as usize) = T::from_f32(O::finish(r, scale)) };
-            }
-            row += g.row_step();
-        }
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                // SAFETY: row < rows, so the row's `cols` elements lie inside x.
+                let xr = unsafe { x.add(if ok { (row * cols) as usize } else { 0 }) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                let acc = fold_row(
+                    sp,
+                    T::VEC as u64,
+                    &g,
+                    O::ID,
+                    // SAFETY (both): fold_row hands out aligned whole vectors and scalar columns
+                    // inside the row.
+                    #[inline(always)]
+                    |c| unsafe { ld_global_nc_v4(xr.add(c as usize) as *const u32) },
+                    #[inline(always)]
+                    |acc, _, r| O::op(acc, lanes::<T, O>(&T::unpack(r))),
+                    #[inline(always)]
+                    |acc, c| O::op(acc, unsafe { (*xr.add(c as usize)).to_f32() }),
+                );
+                let [r] = group_reduce(&g, [acc], [O::ID], combine1::<O>);
+                if ok && g.t == 0 {
+                    // SAFETY: out holds `rows` elements.
+                    unsafe { *out.add(row as usize) = T::from_f32(O::finish(r, scale)) };
+                }
+            },
+        );
     }
 
     // --- argmax --------------------------------------------------------------------------------
@@ -352,36 +351,36 @@ mod device {
 
     pub unsafe fn argmax_rows<T: Elem>(x: *const T, out: *mut i64, rows: u64, cols: u64) {
         let g = Group::this();
-        let mut row = g.first_row();
-        // As `reduce_rows`: a per-block loop bound keeps the barriers uniform.
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            // SAFETY: row < rows, so the row's `cols` elements lie inside x.
-            let xr = unsafe { x.add(if ok { (row * cols) as usize } else { 0 }) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            // fold_row visits this thread's head, vectors and tail in increasing column order,
-            // which `take` relies on.
-            let best = fold_row(
-                sp,
-                T::VEC as u64,
-                &g,
-                (f32::NEG_INFINITY, NONE),
-                // SAFETY (both): whole aligned vectors and scalar columns inside the row.
-                #[inline(always)]
-                |c| unsafe { ld_global_nc_v4(xr.add(c as usize) as *const u32) },
-                #[inline(always)]
-                |b, c, r| take_vector::<T>(b, c, r),
-                #[inline(always)]
-                |b, c| take(b, unsafe { (*xr.add(c as usize)).to_f32() }, c),
-            );
-            let r = group_reduce(&g, pack(best), pack((f32::NEG_INFINITY, NONE)), arg_combine);
-            if ok && g.t == 0 {
-                // SAFETY: out holds `rows` indices.
-                unsafe { *out.add(row as usize) = finished(index(r)) };
-            }
-            row += g.row_step();
-        }
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                // SAFETY: row < rows, so the row's `cols` elements lie inside x.
+                let xr = unsafe { x.add(if ok { (row * cols) as usize } else { 0 }) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                // fold_row visits this thread's head, vectors and tail in increasing column order,
+                // which `take` relies on.
+                let best = fold_row(
+                    sp,
+                    T::VEC as u64,
+                    &g,
+                    (f32::NEG_INFINITY, NONE),
+                    // SAFETY (both): whole aligned vectors and scalar columns inside the row.
+                    #[inline(always)]
+                    |c| unsafe { ld_global_nc_v4(xr.add(c as usize) as *const u32) },
+                    #[inline(always)]
+                    |b, c, r| take_vector::<T>(b, c, r),
+                    #[inline(always)]
+                    |b, c| take(b, unsafe { (*xr.add(c as usize)).to_f32() }, c),
+                );
+                let r = group_reduce(&g, pack(best), pack((f32::NEG_INFINITY, NONE)), arg_combine);
+                if ok && g.t == 0 {
+                    // SAFETY: out holds `rows` indices.
+                    unsafe { *out.add(row as usize) = finished(index(r)) };
+                }
+            },
+        );
     }
 }
 

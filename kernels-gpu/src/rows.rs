@@ -57,14 +57,28 @@ mod device {
         pub fn this() -> Group {
             Group { t: thread_idx_x(), size: block_dim_x(), ty: thread_idx_y(), per_block: block_dim_y() }
         }
-        /// The first row of this group; rows `first_row() + k * row_step()` for a persistent loop.
+        /// This group's row in a launch of one group per row.
         #[inline(always)]
         pub fn first_row(&self) -> u64 {
             block_idx_x() as u64 * self.per_block as u64 + self.ty as u64
         }
+
+        /// Calls `f(row)` for this group's rows of `rows`, from [`Group::first_row`] with the
+        /// grid's stride (for persistent launches, and for grids capped below one group per row).
+        ///
+        /// Every thread of a block runs the same number of iterations: the bound is `rows`
+        /// rounded up to whole blocks of rows, so `f` may contain group reductions (barriers);
+        /// it must check `row < rows` itself before touching memory.
         #[inline(always)]
-        pub fn row_step(&self) -> u64 {
-            grid_dim_x() as u64 * self.per_block as u64
+        pub fn for_each_row(&self, rows: u64, mut f: impl FnMut(u64)) {
+            let per_block = self.per_block as u64;
+            let block_rows = rows.div_ceil(per_block) * per_block;
+            let step = grid_dim_x() as u64 * per_block;
+            let mut row = self.first_row();
+            while row < block_rows {
+                f(row);
+                row += step;
+            }
         }
     }
 

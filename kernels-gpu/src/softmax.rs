@@ -160,58 +160,57 @@ mod device {
 
     pub unsafe fn fwd_stream<T: Elem, S: Kind>(x: *const T, y: *mut T, rows: u64, cols: u64) {
         let g = Group::this();
-        let mut row = g.first_row();
-        // Persistent: every group walks rows with the grid's stride; all threads of a block run
-        // the same number of iterations (the loop bound is per block), so barriers stay uniform.
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            // SAFETY: every element index below is below cols within row `row`.
-            let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
-            let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            let w = T::VEC as u64;
-            let acc = fold_row(
-                sp,
-                w,
-                &g,
-                [f32::NEG_INFINITY, 0.0],
-                #[inline(always)]
-                |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
-                #[inline(always)]
-                |acc, _, v| add_chunk::<T>(acc, &v, T::VEC),
-                #[inline(always)]
-                |acc, c| {
-                    let mut v = [0.0; 8];
-                    v[0] = unsafe { (*xr.add(c as usize)).to_f32() };
-                    add_chunk::<T>(acc, &v, 1)
-                },
-            );
-            let acc = group_reduce(&g, acc, [f32::NEG_INFINITY, 0.0], merge);
-            let (o, inv_s, log_s) = finish(acc);
-            fold_row(
-                sp,
-                w,
-                &g,
-                (),
-                #[inline(always)]
-                |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
-                #[inline(always)]
-                |(), c, mut v| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| v[k] = out::<T, S>(v[k], o, inv_s, log_s),
-                    );
-                    unsafe { st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v)) };
-                },
-                #[inline(always)]
-                |(), c| unsafe {
-                    let v = (*xr.add(c as usize)).to_f32();
-                    *yr.add(c as usize) = T::from_f32(out::<T, S>(v, o, inv_s, log_s));
-                },
-            );
-            row += g.row_step();
-        }
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                // SAFETY: every element index below is below cols within row `row`.
+                let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
+                let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                let w = T::VEC as u64;
+                let acc = fold_row(
+                    sp,
+                    w,
+                    &g,
+                    [f32::NEG_INFINITY, 0.0],
+                    #[inline(always)]
+                    |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
+                    #[inline(always)]
+                    |acc, _, v| add_chunk::<T>(acc, &v, T::VEC),
+                    #[inline(always)]
+                    |acc, c| {
+                        let mut v = [0.0; 8];
+                        v[0] = unsafe { (*xr.add(c as usize)).to_f32() };
+                        add_chunk::<T>(acc, &v, 1)
+                    },
+                );
+                let acc = group_reduce(&g, acc, [f32::NEG_INFINITY, 0.0], merge);
+                let (o, inv_s, log_s) = finish(acc);
+                fold_row(
+                    sp,
+                    w,
+                    &g,
+                    (),
+                    #[inline(always)]
+                    |c| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) },
+                    #[inline(always)]
+                    |(), c, mut v| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| v[k] = out::<T, S>(v[k], o, inv_s, log_s),
+                        );
+                        unsafe { st_global_v4(yr.add(c as usize) as *mut u32, T::pack(&v)) };
+                    },
+                    #[inline(always)]
+                    |(), c| unsafe {
+                        let v = (*xr.add(c as usize)).to_f32();
+                        *yr.add(c as usize) = T::from_f32(out::<T, S>(v, o, inv_s, log_s));
+                    },
+                );
+            },
+        );
     }
 
     /// The per-element term of the backward's row sum: `g * y` (softmax) or `g` (log).
@@ -283,64 +282,65 @@ mod device {
 
     pub unsafe fn bwd_stream<T: Elem, S: Kind>(y: *const T, gr: *const T, gx: *mut T, rows: u64, cols: u64) {
         let g = Group::this();
-        let mut row = g.first_row();
-        let block_rows = rows.div_ceil(g.per_block as u64) * g.per_block as u64;
-        while row < block_rows {
-            let ok = row < rows;
-            let off = if ok { (row * cols) as usize } else { 0 };
-            let (yr, gr_, gxr) = unsafe { (y.add(off), gr.add(off), gx.add(off)) };
-            let sp = if ok { RowSplit::of(yr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
-            let w = T::VEC as u64;
-            let load = #[inline(always)]
-            |c: u64| unsafe {
-                let c = c as usize;
-                (
-                    T::unpack(ld_global_nc_v4(yr.add(c) as *const u32)),
-                    T::unpack(ld_global_nc_v4(gr_.add(c) as *const u32)),
-                )
-            };
-            let dot = fold_row(
-                sp,
-                w,
-                &g,
-                0.0f32,
-                load,
-                #[inline(always)]
-                |mut dot, _, (vy, vg): ([f32; 8], [f32; 8])| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| dot += bwd_term::<S>(vy[k], vg[k]),
-                    );
-                    dot
-                },
-                #[inline(always)]
-                |dot, c| unsafe {
-                    dot + bwd_term::<S>((*yr.add(c as usize)).to_f32(), (*gr_.add(c as usize)).to_f32())
-                },
-            );
-            let [dot] = group_reduce(&g, [dot], [0.0], add);
-            fold_row(
-                sp,
-                w,
-                &g,
-                (),
-                load,
-                #[inline(always)]
-                |(), c, (vy, mut vg): ([f32; 8], [f32; 8])| {
-                    for_lanes::<T>(
-                        #[inline(always)]
-                        |k| vg[k] = bwd_out::<T, S>(vy[k], vg[k], dot),
-                    );
-                    unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
-                },
-                #[inline(always)]
-                |(), c| unsafe {
+        g.for_each_row(
+            rows,
+            #[inline(always)]
+            |row| {
+                let ok = row < rows;
+                let off = if ok { (row * cols) as usize } else { 0 };
+                let (yr, gr_, gxr) = unsafe { (y.add(off), gr.add(off), gx.add(off)) };
+                let sp = if ok { RowSplit::of(yr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
+                let w = T::VEC as u64;
+                let load = #[inline(always)]
+                |c: u64| unsafe {
                     let c = c as usize;
-                    *gxr.add(c) = T::from_f32(bwd_out::<T, S>((*yr.add(c)).to_f32(), (*gr_.add(c)).to_f32(), dot));
-                },
-            );
-            row += g.row_step();
-        }
+                    (
+                        T::unpack(ld_global_nc_v4(yr.add(c) as *const u32)),
+                        T::unpack(ld_global_nc_v4(gr_.add(c) as *const u32)),
+                    )
+                };
+                let dot = fold_row(
+                    sp,
+                    w,
+                    &g,
+                    0.0f32,
+                    load,
+                    #[inline(always)]
+                    |mut dot, _, (vy, vg): ([f32; 8], [f32; 8])| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| dot += bwd_term::<S>(vy[k], vg[k]),
+                        );
+                        dot
+                    },
+                    #[inline(always)]
+                    |dot, c| unsafe {
+                        dot + bwd_term::<S>((*yr.add(c as usize)).to_f32(), (*gr_.add(c as usize)).to_f32())
+                    },
+                );
+                let [dot] = group_reduce(&g, [dot], [0.0], add);
+                fold_row(
+                    sp,
+                    w,
+                    &g,
+                    (),
+                    load,
+                    #[inline(always)]
+                    |(), c, (vy, mut vg): ([f32; 8], [f32; 8])| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| vg[k] = bwd_out::<T, S>(vy[k], vg[k], dot),
+                        );
+                        unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
+                    },
+                    #[inline(always)]
+                    |(), c| unsafe {
+                        let c = c as usize;
+                        *gxr.add(c) = T::from_f32(bwd_out::<T, S>((*yr.add(c)).to_f32(), (*gr_.add(c)).to_f32(), dot));
+                    },
+                );
+            },
+        );
     }
 }
 
