@@ -1,6 +1,7 @@
 //! Row-operation benchmarks: softmax, layer norm and RMS norm (forward and backward) on the four
 //! shapes of `../shared/bench-suite.md` and a small one, log-softmax, cross-entropy forward +
-//! backward at 8192 x 32000, sums (whole tensor and along rows), and transpose. Timed by the
+//! backward at 8192 x 32000, sums (whole tensor, along rows, and over the rows per column at
+//! 8192 x 4096: a linear layer's bias gradient), and transpose. Timed by the
 //! shared harness (`benches/harness`: do_bench's method, L2 flushed before every run, medians);
 //! `benches/torch_rows.py` times PyTorch on the same cases under the same names.
 //!
@@ -13,7 +14,7 @@
 //! Names: `rows/<dtype>/<fwd|bwd|fwdbwd>/<op>@<rows>x<cols>/<rows*cols>`. GB/s counts each
 //! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
 //! grad in, grad_x out); the norms likewise plus their weight, bias and per-row statistics;
-//! cross-entropy forward + backward 3N (logits read by each, the gradient written); sum N;
+//! cross-entropy forward + backward 3N (logits read by each, the gradient written); sums N;
 //! transpose 2N.
 
 mod harness;
@@ -34,6 +35,7 @@ enum Op {
     CrossEntropy,
     SumAll,
     SumRows,
+    SumCols,
     Transpose,
 }
 
@@ -47,6 +49,7 @@ impl Op {
             Op::CrossEntropy => "cross_entropy",
             Op::SumAll => "sum",
             Op::SumRows => "sum_rows",
+            Op::SumCols => "sum_cols",
             Op::Transpose => "transpose",
         }
     }
@@ -66,7 +69,7 @@ fn case(op: Op, dir: &'static str, dt: DType, rows: usize, cols: usize) -> Case 
         (Op::LayerNorm, _) => (3 * n64 + 3 * c64) * s + 8 * r64,
         (Op::RmsNorm, _) => (3 * n64 + 2 * c64) * s + 4 * r64,
         (Op::CrossEntropy, _) => 3 * n64 * s + 8 * r64,
-        (Op::SumAll | Op::SumRows, _) => n64 * s,
+        (Op::SumAll | Op::SumRows | Op::SumCols, _) => n64 * s,
         (Op::Transpose, _) => 2 * n64 * s,
     };
     let opname = format!("{}@{rows}x{cols}", op.name());
@@ -135,6 +138,7 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
         }
         Op::SumAll => Box::new(move || Ok(vec![ops::reduce(&x, ReduceOp::Sum)?])),
         Op::SumRows => Box::new(move || Ok(vec![ops::reduce_last_dim(&x, ReduceOp::Sum)?])),
+        Op::SumCols => Box::new(move || Ok(vec![ops::reduce_leading_dims(&x, ReduceOp::Sum)?])),
         Op::Transpose => Box::new(move || Ok(vec![ops::transpose(&x)?])),
     })
 }
@@ -163,6 +167,9 @@ fn cases() -> Vec<Case> {
     for dt in [DType::F32, DType::BF16] {
         v.push(case(Op::SumAll, "fwd", dt, 1 << 18, 1 << 10));
         v.push(case(Op::SumRows, "fwd", dt, 1 << 18, 1 << 10));
+    }
+    for dt in [DType::F32, DType::BF16] {
+        v.push(case(Op::SumCols, "fwd", dt, 8192, 4096));
     }
     v.push(case(Op::SumAll, "fwd", DType::F32, 64, 1024));
     v.push(case(Op::SumRows, "fwd", DType::F32, 64, 1024));

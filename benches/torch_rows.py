@@ -45,6 +45,7 @@ def cases():
     out += [("cross_entropy", "fwdbwd", "f32", 64, 1024)]
     for dt in DTYPES:
         out += [("sum", "fwd", dt, 1 << 18, 1 << 10), ("sum_rows", "fwd", dt, 1 << 18, 1 << 10)]
+    out += [("sum_cols", "fwd", dt, 8192, 4096) for dt in DTYPES]
     out += [("sum", "fwd", "f32", 64, 1024), ("sum_rows", "fwd", "f32", 64, 1024)]
     out += [("transpose", "fwd", dt, 8192, 8192) for dt in DTYPES]
     out += [("transpose", "fwd", "f32", 64, 1024)]
@@ -61,7 +62,7 @@ def nbytes(op, direction, r, c, dt):
         return (2 * n + c) * s + 4 * r if direction == "fwd" else (3 * n + 2 * c) * s + 4 * r
     if op == "cross_entropy":
         return 3 * n * s + 8 * r
-    if op in ("sum", "sum_rows"):
+    if op in ("sum", "sum_rows", "sum_cols"):
         return n * s
     return 2 * n * s  # transpose
 
@@ -101,6 +102,8 @@ def build(op, direction, dt, r, c):
         return lambda: x.sum()
     if op == "sum_rows":
         return lambda: x.sum(-1)
+    if op == "sum_cols":
+        return lambda: x.sum(0)
     return lambda: x.t().contiguous()
 
 

@@ -110,3 +110,52 @@ fn binary_formulas_match_the_f64_references() {
         .unwrap();
     }
 }
+
+/// The AdamW update the kernels run (`kernels_gpu::optim::adamw_update` with the host's folded
+/// constants) against PyTorch's formula in f64, within the bounds derived in `tests/optim.rs`:
+/// several configurations, early and late steps, zero gradients and moments.
+#[test]
+fn adamw_update_matches_the_f64_reference() {
+    use kernels::ops::AdamW;
+    let d = AdamW::default();
+    let configs = [
+        d,
+        AdamW { lr: 0.1, beta1: 0.5, beta2: 0.9, eps: 1e-3, weight_decay: 0.3 },
+        AdamW { lr: 1e-2, beta1: 0.0, beta2: 0.0, eps: 1e-6, weight_decay: 0.0 },
+        AdamW { lr: 0.0, weight_decay: 0.0, ..d },
+        AdamW { lr: 3e-4, beta1: 0.99, beta2: 0.9999, eps: 1e-8, weight_decay: 0.1 },
+    ];
+    let n = N / 4;
+    for (ci, cfg) in configs.iter().enumerate() {
+        for step in [1u64, 2, 3, 10, 1000, 1 << 40] {
+            let s = cfg.scalars(step).unwrap();
+            let mut rng = TestRng::new(ci as u64 * 1000 + step);
+            let scale = 10f64.powf(rng.unit() * 4.0 - 3.0);
+            let ps = draw(&mut rng, n, DType::F32, Draw::FINITE);
+            let gs: Vec<f32> =
+                (0..n).map(|_| if rng.unit() < 0.03 { 0.0 } else { (rng.normal() * scale) as f32 }).collect();
+            let ms: Vec<f32> = (0..n).map(|_| if step == 1 { 0.0 } else { (rng.normal() * scale) as f32 }).collect();
+            let vs: Vec<f32> = (0..n)
+                .map(|_| if step == 1 || rng.unit() < 0.03 { 0.0 } else { (rng.normal() * scale).powi(2) as f32 })
+                .collect();
+            let got: Vec<(f32, f32, f32)> =
+                (0..n).map(|i| kernels_gpu::optim::adamw_update(ps[i], gs[i], ms[i], vs[i], &s)).collect();
+            let want: Vec<r::AdamWStep> =
+                (0..n).map(|i| r::adamw(ps[i] as f64, gs[i] as f64, ms[i] as f64, vs[i] as f64, cfg, step)).collect();
+            let show = |i: usize| format!("p = {:e}, g = {:e}, m = {:e}, v = {:e}", ps[i], gs[i], ms[i], vs[i]);
+            let what = |x: &str| format!("AdamW {x}, {cfg:?}, step {step}");
+            let pick = |f: fn(&(f32, f32, f32)) -> f32| got.iter().map(f).collect::<Vec<f32>>();
+            let none = |_| None;
+            let (gp, gm, gv) = (pick(|t| t.0), pick(|t| t.1), pick(|t| t.2));
+            let wp: Vec<f64> = want.iter().map(|w| w.p).collect();
+            let wm: Vec<f64> = want.iter().map(|w| w.m).collect();
+            let wv: Vec<f64> = want.iter().map(|w| w.v).collect();
+            compare(&what("p"), DType::F32, &gp, &wp, |i| want[i].tol_p, none, show).unwrap();
+            compare(&what("m"), DType::F32, &gm, &wm, |i| want[i].tol_m, none, show).unwrap();
+            compare(&what("v"), DType::F32, &gv, &wv, |i| want[i].tol_v, none, show).unwrap();
+            if cfg.lr == 0.0 {
+                assert!((0..n).all(|i| gp[i].to_bits() == ps[i].to_bits() || ps[i] == 0.0), "lr = 0 moved p");
+            }
+        }
+    }
+}

@@ -1,5 +1,6 @@
 //! GPU tests of the reductions: sum, mean, max, min and argmax, over the whole tensor and along
-//! the last dimension, in f32, f16 and bf16, against f64 references.
+//! the last dimension, and sum and mean over the leading dimensions (`reduce_leading_dims`, per
+//! column), in f32, f16 and bf16, against f64 references.
 //!
 //! Tolerances. Max, min and argmax are exact: they select one of the stored values, so the
 //! result must be that value (and index) bit for bit, NaN propagated as PyTorch does (the first
@@ -11,6 +12,10 @@
 //! (Higham, Accuracy and Stability of Numerical Algorithms, 4.2). A mean is the sum times the f32
 //! rounding of `1/n` (two more roundings, counted in `d`), so the bound is divided by `n`.
 //! `close` then adds one ulp of the output dtype for the final rounding to it.
+//!
+//! Column sums have the same bound with the depth of their own tree
+//! (`reduce_leading_dims_sum_depth`: the rows a thread folds, the block's tree over its row
+//! lanes, the sum of the chunks' partial rows).
 //!
 //! Outputs start as NaN (poisoned allocations), so an element a kernel fails to write fails
 //! (an unwritten i64 index reads back as -1).
@@ -255,6 +260,133 @@ fn prop_case(dev: &Device, dt: DType) -> Result<(), String> {
     })
 }
 
+// --- over the leading dimensions -------------------------------------------------------------------
+
+/// Sum and mean over the leading dimensions of `x` (values `xs`, shape `shape`), per column.
+fn check_cols(dev: &Device, dt: DType, shape: &[usize], xs: &[f32], sums: SumCheck) -> Result<(), String> {
+    let x = tensor(dev, xs, shape, dt)?;
+    let cols = *shape.last().expect("at least one dimension");
+    let rows = xs.len().checked_div(cols).unwrap_or(0);
+    let depth = ops::reduce_leading_dims_sum_depth(&x).map_err(e)?;
+    let per_col: Vec<Exact> = (0..cols)
+        .map(|c| {
+            let col: Vec<f32> = (0..rows).map(|r| xs[r * cols + c]).collect();
+            if rows == 0 { Exact { sum: 0.0, abs: 0.0, max: 0.0, min: 0.0, argmax: 0, n: 0 } } else { exact(&col) }
+        })
+        .collect();
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let ctx = |m: String| format!("{op:?} over the leading dims of {dt:?} {shape:?}: {m}");
+        let r = ops::reduce_leading_dims(&x, op).map_err(e)?;
+        if r.shape() != [cols] {
+            return Err(ctx(format!("result shape {:?}, want [{cols}]", r.shape())));
+        }
+        let got = r.to_f32_vec().map_err(e)?;
+        for (c, (g, ex)) in got.iter().zip(&per_col).enumerate() {
+            if rows == 0 {
+                // The sum of nothing is 0, the mean NaN.
+                let ok = if op == ReduceOp::Sum { *g == 0.0 } else { g.is_nan() };
+                if !ok {
+                    return Err(ctx(format!("column {c} of no rows: {g}")));
+                }
+                continue;
+            }
+            check_value(dt, op, *g, ex, depth, sums).map_err(|m| ctx(format!("column {c} of {cols}: {m}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// (rows, cols) for the column sums: one column (the whole-tensor path), narrow matrices (several
+/// rows per warp), unaligned widths, one tile and more, primes, tall ones.
+fn col_shapes() -> impl Strategy<Value = (usize, usize)> {
+    let cols = prop_oneof![
+        Just(1usize),
+        Just(2),
+        Just(3),
+        Just(4),
+        Just(5),
+        Just(7),
+        Just(8),
+        Just(9),
+        Just(31),
+        Just(33),
+        Just(127),
+        Just(128),
+        Just(129),
+        Just(256),
+        Just(1000),
+        Just(4097),
+        1usize..3000
+    ];
+    let rows = prop_oneof![Just(0usize), Just(1), Just(2), Just(7), Just(33), Just(257), Just(4099), 1usize..2000];
+    let cap = if sanitizer() { 1 << 13 } else { 1 << 19 };
+    (rows, cols).prop_map(move |(r, c)| (r.min(cap / c), c))
+}
+
+fn cols_prop_case(dev: &Device, dt: DType) -> Result<(), String> {
+    prop(32, (col_shapes(), data_kind(), any::<u64>()), |((rows, cols), data, seed)| {
+        let mut rng = TestRng::new(seed);
+        let xs = values(&mut rng, rows * cols, cols, dt, data);
+        // `shape_of` gives a 1-D tensor for one row: still one row of `cols`.
+        check_cols(dev, dt, &shape_of(rows, cols), &xs, sum_check(data)).map_err(|m| format!("{data:?}: {m}"))
+    })
+}
+
+/// Tall matrices (every chunk loops over many rounds; 8192 x 4096 is the bench's shape),
+/// against f64 sums; and the same input twice gives the same bits.
+fn cols_tall(dev: &Device) -> Result<(), String> {
+    let shapes: &[(usize, usize)] =
+        if sanitizer() { &[(1024, 64), (4099, 3)] } else { &[(8192, 4096), (100_003, 33), (1 << 20, 4), (1 << 20, 3)] };
+    for dt in DType::ALL {
+        for &(rows, cols) in shapes {
+            let x = Tensor::rand_normal(dev, &[rows, cols], dt, 0.5, 2.0, rows as u64 ^ cols as u64).map_err(e)?;
+            let xs = x.to_f32_vec().map_err(e)?;
+            check_cols(dev, dt, &[rows, cols], &xs, SumCheck::Full)?;
+            let bits = |t: Tensor| -> Result<Vec<u32>, String> {
+                Ok(t.to_f32_vec().map_err(e)?.into_iter().map(f32::to_bits).collect())
+            };
+            let (a, b) = (bits(x.sum_leading_dims().map_err(e)?)?, bits(x.sum_leading_dims().map_err(e)?)?);
+            if a != b {
+                return Err(format!("{dt:?} [{rows}, {cols}]: two column sums differ"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Shapes at the edges and the errors.
+fn cols_edges(dev: &Device) -> Result<(), String> {
+    for dt in DType::ALL {
+        // A 1-D tensor is one row: its sum is itself.
+        let v = [1.5f32, -2.0, 0.25, 8.0, -0.0];
+        let x = tensor(dev, &v, &[5], dt)?;
+        let got = x.sum_leading_dims().map_err(e)?;
+        if got.shape() != [5]
+            || got.to_f32_vec().map_err(e)?.iter().map(|g| g.to_bits()).ne(v.iter().map(|g| g.to_bits()))
+        {
+            return Err(format!("{dt:?}: the column sums of a 1-D tensor are not the tensor"));
+        }
+        // No rows: zeros and NaN of shape [C]; no columns: shape [0].
+        for (shape, cols) in [(vec![0usize, 7], 7usize), (vec![2, 0, 3], 3), (vec![4, 0], 0), (vec![0], 0)] {
+            let x = Tensor::zeros(dev, &shape, dt).map_err(e)?;
+            check_cols(dev, dt, &shape, &[], SumCheck::Full)?;
+            if x.sum_leading_dims().map_err(e)?.shape() != [cols] {
+                return Err(format!("{dt:?}: the column sums of {shape:?} do not have shape [{cols}]"));
+            }
+        }
+        let invalid = |what: &str, r: kernels::Result<Tensor>| match r {
+            Err(Error::InvalidArgument { op: "reduce_leading_dims", .. }) => Ok(()),
+            other => Err(format!("{dt:?}: {what} gave {:?}, want InvalidArgument", other.map(|t| t.shape().to_vec()))),
+        };
+        let s = tensor(dev, &[1.0], &[], dt)?;
+        invalid("a scalar", ops::reduce_leading_dims(&s, ReduceOp::Sum))?;
+        let m = Tensor::zeros(dev, &[3, 4], dt).map_err(e)?;
+        invalid("max", ops::reduce_leading_dims(&m, ReduceOp::Max))?;
+        invalid("min", ops::reduce_leading_dims(&m, ReduceOp::Min))?;
+    }
+    Ok(())
+}
+
 // --- fixed cases ----------------------------------------------------------------------------------
 
 /// Specials planted at known places in finite data, in long rows and across rows, blocks and
@@ -445,6 +577,11 @@ fn main() -> ExitCode {
     for dt in DType::ALL {
         tests.push(test(format!("reduce/proptest_{}", dt.suffix()), move |dev| prop_case(dev, dt)));
     }
+    for dt in DType::ALL {
+        tests.push(test(format!("reduce/leading_dims_proptest_{}", dt.suffix()), move |dev| cols_prop_case(dev, dt)));
+    }
+    tests.push(test("reduce/leading_dims_tall", cols_tall));
+    tests.push(test("reduce/leading_dims_edges", cols_edges));
     tests.push(test("reduce/ieee_propagation", ieee_propagation));
     tests.push(test("reduce/edges", edges));
     tests.push(test("reduce/determinism", determinism));

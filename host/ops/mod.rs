@@ -7,6 +7,7 @@ pub mod elementwise;
 pub mod init;
 pub mod mathprobe;
 pub mod norm;
+pub mod optim;
 pub mod reduce;
 pub mod softmax;
 pub mod transpose;
@@ -14,19 +15,21 @@ pub mod transpose;
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use norm::*;
+pub use optim::*;
 pub use reduce::*;
 pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the row-operation families launch (softmax, norms, cross-entropy, reductions,
-/// transpose), with the parameter count of the signature the host launches it with; checked
-/// against the PTX by `tests/cpu.rs`.
+/// transpose) and the optimizer, with the parameter count of the signature the host launches it
+/// with; checked against the PTX by `tests/cpu.rs`.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v = softmax::launched_kernels();
     v.extend(norm::launched_kernels());
     v.extend(cross_entropy::launched_kernels());
     v.extend(reduce::launched_kernels());
     v.extend(transpose::launched_kernels());
+    v.extend(optim::launched_kernels());
     v
 }
 

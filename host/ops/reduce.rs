@@ -1,5 +1,6 @@
 //! Reductions (host side of `kernels-gpu/src/reduce.rs`): sum, mean, max, min and argmax over
-//! the whole tensor or along the last dimension, with PyTorch's semantics: values come back in
+//! the whole tensor or along the last dimension, and sum and mean over the leading dimensions
+//! (`[..., C]` to `[C]`, e.g. a bias gradient), with PyTorch's semantics: values come back in
 //! the input's dtype (rounded from the f32 accumulator), indices as i64; max, min and argmax
 //! propagate NaN (argmax: the first NaN); ties give the first index; the sum of nothing is 0, the
 //! mean of nothing NaN, and max, min or argmax of nothing an error.
@@ -8,16 +9,17 @@
 //! the kernels combine in a fixed order without atomics, so the same input gives the same bits
 //! on every run.
 
-use super::with_elem;
+use super::{rows_cols, with_elem};
 use crate::DType;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::{IndexTensor, Tensor};
 use kernels_gpu::kernel::Params;
+use kernels_gpu::norm::{COLSUM_LANES, NormColsumArgs};
 use kernels_gpu::reduce::{
-    ArgmaxFinalArgs, ArgmaxPartArgs, ArgmaxRowsArgs, PART_BLOCK, ReduceFinalArgs, ReducePartArgs, ReduceRowsArgs,
-    UNROLL,
+    ArgmaxFinalArgs, ArgmaxPartArgs, ArgmaxRowsArgs, COLS_BLOCK, PART_BLOCK, ReduceColsArgs, ReduceFinalArgs,
+    ReducePartArgs, ReduceRowsArgs, UNROLL, cols_smem_bytes,
 };
 use kernels_gpu::rows::{MAX_GROUP, reduce_smem_bytes};
 
@@ -135,6 +137,52 @@ pub(crate) fn rows_sum_depth(cols: u64, vec: u64, g: u32) -> u64 {
     per_thread + group_depth(g) + 2
 }
 
+/// The launches of a reduction over the leading dimensions of a `rows x cols` view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ColsPlan {
+    /// `reduce_sum_cols`: `(TX, COLS_BLOCK / TX)` blocks, `grid.y = chunks`.
+    pub cfg: LaunchConfig,
+    /// Chunks of rows, hence partial rows; 1: stage 1 writes the result itself.
+    pub chunks: u32,
+}
+
+/// Plan of `reduce_sum_cols` over `rows x cols` elements, `vec` per 16-byte vector, on a GPU
+/// with `sm_count` SMs holding `blocks_per_sm` of its blocks each. `None` if either is 0 or the
+/// columns need more than 2^31 - 1 blocks.
+///
+/// `TX` is the power of two up to 32 that covers the row's vectors, so a narrow matrix puts
+/// several rows in a warp. The chunks fill at most one wave of resident blocks: every block has
+/// the same work, so a second, partial wave would take as long as the first; one wave with
+/// four loads in flight per thread keeps several times what HBM's latency asks for in flight.
+/// Never more chunks than row lanes have rows (each thread at least one row), nor more than
+/// the grid allows (65535).
+pub(crate) fn cols_plan(rows: u64, cols: u64, vec: u64, sm_count: u32, blocks_per_sm: u32) -> Option<ColsPlan> {
+    if rows == 0 || cols == 0 {
+        return None;
+    }
+    let nvec = cols.div_ceil(vec);
+    let tx = nvec.next_power_of_two().min(32) as u32;
+    let ty = COLS_BLOCK / tx;
+    let gx = u32::try_from(nvec.div_ceil(tx as u64)).ok().filter(|&g| g <= i32::MAX as u32)?;
+    let wave = sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64;
+    let chunks = (wave / gx as u64).clamp(1, rows.div_ceil(ty as u64)).min(65_535) as u32;
+    let cfg = LaunchConfig { grid: (gx, chunks, 1), block: (tx, ty, 1), shared_bytes: cols_smem_bytes(vec as u32) };
+    Some(ColsPlan { cfg, chunks })
+}
+
+/// Depth of the summation of one column under `plan` (see [`reduce_sum_depth`]).
+pub(crate) fn cols_sum_depth(rows: u64, plan: &ColsPlan) -> u64 {
+    let ty = plan.cfg.block.1 as u64;
+    let per_lane = rows.div_ceil(plan.chunks as u64 * ty);
+    // Rounds of UNROLL rows (a tree of depth 2, then the running sum), up to UNROLL - 1 more.
+    let per_thread = per_lane.div_ceil(UNROLL as u64) + 2 + (UNROLL as u64 - 1);
+    // `norm_colsum`: each lane's chunks in turn, then the lanes in turn.
+    let lanes = COLSUM_LANES as u64;
+    let finish = if plan.chunks > 1 { (plan.chunks as u64).div_ceil(lanes) + lanes } else { 0 };
+    // + 2: the mean's product by 1/rows and the rounding of 1/rows.
+    per_thread + ty.trailing_zeros() as u64 + finish + 2
+}
+
 // --- launches -----------------------------------------------------------------------------------
 
 /// The kernels of `op` for `dt`: (stage 1, stage 2, rows).
@@ -155,6 +203,12 @@ fn argmax_kernels(dt: DType) -> [&'static str; 3] {
     [k!("reduce_argmax_all", dt), "reduce_argmax_final", k!("reduce_argmax_rows", dt)]
 }
 
+/// The stage-1 kernel of the sums over the leading dimensions for `dt`; stage 2 is
+/// `norm_colsum` (listed by norm.rs).
+fn cols_kernel(dt: DType) -> &'static str {
+    kernels_gpu::kernel_name!("reduce_sum_cols", dt)
+}
+
 /// Every kernel this module launches, with the parameter count of its signature.
 pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
     fn arity<A: Params>() -> usize {
@@ -171,6 +225,7 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
         let [a, _, r] = argmax_kernels(dt);
         v.push((a.to_string(), arity::<ArgmaxPartArgs<f32>>()));
         v.push((r.to_string(), arity::<ArgmaxRowsArgs<f32>>()));
+        v.push((cols_kernel(dt).to_string(), arity::<ReduceColsArgs<f32>>()));
     }
     v.push((argmax_kernels(DType::F32)[1].to_string(), arity::<ArgmaxFinalArgs>()));
     v
@@ -361,6 +416,89 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
     Ok(out)
 }
 
+fn cols_plan_for(dev: &Device, rows: u64, cols: u64, dt: DType) -> Result<Option<ColsPlan>> {
+    let k = cols_kernel(dt);
+    let vec = vec_width(dt);
+    let bps = dev.blocks_per_sm(k, COLS_BLOCK, cols_smem_bytes(vec as u32))?;
+    Ok(cols_plan(rows, cols, vec, dev.sm_count(), bps))
+}
+
+/// `op` over every dimension of `x` but the last: a `[..., C]` tensor to `[C]` (`x.sum(dim=0)`
+/// of a matrix in PyTorch; the bias gradient of a linear layer is this sum of its output's
+/// gradient). `Sum` and `Mean` (the mean of no rows is NaN, their sum 0); a 1-D tensor is one
+/// row. Accumulates in f32, returns x's dtype, deterministic like every reduction here. An
+/// error for a scalar (no last dimension) and for `Max` and `Min` (not implemented).
+pub fn reduce_leading_dims(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    let name = "reduce_leading_dims";
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+        return Err(Error::InvalidArgument {
+            op: name,
+            message: format!("supports Sum and Mean, got {op:?} (shape {:?})", x.shape()),
+        });
+    }
+    let (rows, cols) = rows_cols(name, x)?;
+    let (dev, dt) = (x.device(), x.dtype());
+    let shape = [cols as usize];
+    if rows == 0 || cols == 0 {
+        return of_nothing(name, x, op, &shape);
+    }
+    let mut out = Tensor::alloc(name, dev, &shape, dt)?;
+    let op_ptr = out.dev_ptr_mut::<u8>() as u64;
+    // One column is the whole tensor: its reduction spreads over every SM.
+    if cols == 1 {
+        launch_whole(name, x, op, op_ptr)?;
+        return Ok(out);
+    }
+    let plan = cols_plan_for(dev, rows, cols, dt)?.ok_or_else(|| Error::InvalidArgument {
+        op: name,
+        message: format!("{cols} columns need more than 2^31 - 1 blocks (shape {:?})", x.shape()),
+    })?;
+    let k = cols_kernel(dt);
+    let mut partial = match plan.chunks {
+        1 => None,
+        c => Some(Tensor::alloc(name, dev, &[c as usize, cols as usize], DType::F32)?),
+    };
+    let pp = partial.as_mut().map_or(0, |p| p.dev_ptr_mut::<f32>() as u64);
+    let s = scale(op, rows);
+    with_elem!(dt, |T| {
+        let args: ReduceColsArgs<T> = (x.dev_ptr(), pp as *mut f32, op_ptr as *mut T, rows, cols, s);
+        // SAFETY: x holds rows * cols elements of T, out cols; partial (with more than one chunk)
+        // chunks * cols floats, chunks = grid.y; the shared memory is the plan's.
+        unsafe { dev.launch(k, plan.cfg, args) }
+    })?;
+    if plan.chunks > 1 {
+        let cfg = LaunchConfig {
+            grid: (cols.div_ceil(32) as u32, 1, 1),
+            block: (32, COLSUM_LANES, 1),
+            shared_bytes: 32 * COLSUM_LANES * 4,
+        };
+        let finish = kernels_gpu::kernel_name!("norm_colsum", dt);
+        with_elem!(dt, |T| {
+            // grid.y = 1: norm_colsum writes only its first output (the second is null).
+            let args: NormColsumArgs<T> =
+                (pp as *const f32, op_ptr as *mut T, std::ptr::null_mut(), plan.chunks as u64, cols);
+            // SAFETY: partial holds chunks * cols floats, written by stage 1 earlier on the
+            // stream; out holds cols elements; 32 * COLSUM_LANES floats of shared memory.
+            unsafe { dev.launch(finish, cfg, args) }
+        })?;
+    }
+    // The partials are freed stream-ordered, after stage 2.
+    drop(partial);
+    Ok(out)
+}
+
+/// Upper bound on the depth of the summation of each column of `reduce_leading_dims(x, Sum |
+/// Mean)` on `x`'s device, as [`reduce_sum_depth`].
+pub fn reduce_leading_dims_sum_depth(x: &Tensor) -> Result<u64> {
+    let (dev, dt) = (x.device(), x.dtype());
+    let (rows, cols) = rows_cols("reduce_leading_dims_sum_depth", x)?;
+    if cols == 1 {
+        return Ok(plan_for(dev, rows, dt, kernels(ReduceOp::Sum, dt))?
+            .map_or(0, |p| whole_sum_depth(rows, vec_width(dt), &p)));
+    }
+    Ok(cols_plan_for(dev, rows, cols, dt)?.map_or(0, |p| cols_sum_depth(rows, &p)))
+}
+
 /// Upper bound on the depth of the summation tree of `reduce(x, Sum | Mean)` on `x`'s device
 /// (`last_dim`: of `reduce_last_dim`, per row): the number of f32 roundings any one element's
 /// contribution passes through, including the mean's product by `1/n` and the rounding of `1/n`.
@@ -419,6 +557,14 @@ impl Tensor {
     /// Indices of the maxima along the last dimension.
     pub fn argmax_last_dim(&self) -> Result<IndexTensor> {
         argmax_last_dim(self)
+    }
+    /// Sums over every dimension but the last (`[..., C]` to `[C]`).
+    pub fn sum_leading_dims(&self) -> Result<Tensor> {
+        reduce_leading_dims(self, ReduceOp::Sum)
+    }
+    /// Means over every dimension but the last.
+    pub fn mean_leading_dims(&self) -> Result<Tensor> {
+        reduce_leading_dims(self, ReduceOp::Mean)
     }
 }
 
@@ -488,6 +634,47 @@ mod tests {
         assert_eq!(reduce_row_group(100_003, 4, 1024), 1024); // 3126 wanted, capped
         assert_eq!(reduce_row_group(1_000_003, 4, 640), 640);
         assert_eq!(reduce_row_group(1_000_003, 4, 100), 96);
+    }
+
+    #[test]
+    fn column_plans_cover_the_matrix() {
+        let (sms, bps) = H100;
+        assert_eq!(cols_plan(0, 5, 4, sms, bps), None);
+        assert_eq!(cols_plan(5, 0, 4, sms, bps), None);
+        for vec in [4u64, 8] {
+            for cols in [2u64, 3, 4, 5, 7, 8, 9, 31, 33, 127, 128, 129, 1000, 4096, 4097, 100_003, 1 << 20] {
+                for rows in [1u64, 2, 7, 8, 255, 256, 257, 1000, 8192, 1 << 20] {
+                    let p = cols_plan(rows, cols, vec, sms, bps).unwrap();
+                    let (tx, ty) = (p.cfg.block.0 as u64, p.cfg.block.1 as u64);
+                    let ctx = format!("{rows} x {cols}, vec {vec}: {p:?}");
+                    assert!(tx.is_power_of_two() && tx <= 32 && tx * ty == COLS_BLOCK as u64, "{ctx}");
+                    // Every column vector has a thread; no tile is empty.
+                    let nvec = cols.div_ceil(vec);
+                    assert!(p.cfg.grid.0 as u64 * tx >= nvec && (p.cfg.grid.0 as u64 - 1) * tx < nvec, "{ctx}");
+                    assert!(tx >= nvec.min(32), "{ctx}");
+                    // Chunks: grid.y, at least one row per row lane, at most a wave of blocks
+                    // (unless the columns alone need more).
+                    assert_eq!(p.cfg.grid.1, p.chunks, "{ctx}");
+                    assert!(p.chunks >= 1 && (p.chunks as u64 - 1) * ty < rows, "{ctx}");
+                    assert!(p.chunks == 1 || p.chunks as u64 * p.cfg.grid.0 as u64 <= (sms * bps) as u64, "{ctx}");
+                    assert_eq!(p.cfg.shared_bytes, cols_smem_bytes(vec as u32));
+                }
+            }
+        }
+        // The bench's 8192 x 4096 f32: 32 tiles of 128 columns, 33 chunks of 248 rows: one wave.
+        let p = cols_plan(8192, 4096, 4, sms, bps).unwrap();
+        assert_eq!((p.cfg.grid, p.cfg.block), ((32, 33, 1), (32, 8, 1)));
+        // Four f32 columns: a thread per row vector, 256 rows per block.
+        let p = cols_plan(1 << 20, 4, 4, sms, bps).unwrap();
+        assert_eq!((p.cfg.grid.0, p.cfg.block), (1, (1, 256, 1)));
+        // One row of ten f32 columns: 3 vectors, blocks of 4 x 64, one chunk.
+        assert_eq!(cols_sum_depth(1, &cols_plan(1, 10, 4, sms, bps).unwrap()), 1 + 2 + 3 + 6 + 2);
+        // 8192 x 4096 f32: up to 32 rows per lane (8 rounds), a tree over 8 lanes, 33 chunks.
+        assert_eq!(cols_sum_depth(8192, &p_bench()), 8 + 2 + 3 + 3 + (3 + 16) + 2);
+    }
+
+    fn p_bench() -> ColsPlan {
+        cols_plan(8192, 4096, 4, H100.0, H100.1).unwrap()
     }
 
     #[test]

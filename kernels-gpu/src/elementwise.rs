@@ -77,6 +77,20 @@ mod device {
     unsafe fn grid_stride<T: Elem, L: Copy>(
         n: u64,
         load: impl Fn(usize) -> L,
+        finish: impl FnMut(usize, L),
+        one: impl FnMut(usize),
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { grid_stride_by::<T, L>(n, unroll(T::DTYPE), load, finish, one) }
+    }
+
+    /// [`grid_stride`] with `rounds` (1, 2 or 4, a constant at the call site) vectors per thread
+    /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors).
+    #[inline(always)]
+    pub(crate) unsafe fn grid_stride_by<T: Elem, L: Copy>(
+        n: u64,
+        rounds: usize,
+        load: impl Fn(usize) -> L,
         mut finish: impl FnMut(usize, L),
         mut one: impl FnMut(usize),
     ) {
@@ -86,7 +100,7 @@ mod device {
         let mut i = global_thread_x();
         // Written out rather than as an array of `L`: an array indexed in a loop the compiler does
         // not fully unroll lands in local memory (a stack frame in the ptxas report).
-        if unroll(T::DTYPE) == 4 {
+        if rounds == 4 {
             while i + 3 * stride < nv {
                 let o = [i * w, (i + stride) * w, (i + 2 * stride) * w, (i + 3 * stride) * w];
                 let (d0, d1, d2, d3) =
@@ -97,7 +111,7 @@ mod device {
                 finish(o[3] as usize, d3);
                 i += 4 * stride;
             }
-        } else {
+        } else if rounds == 2 {
             while i + stride < nv {
                 let o = [i * w, (i + stride) * w];
                 let (d0, d1) = (load(o[0] as usize), load(o[1] as usize));

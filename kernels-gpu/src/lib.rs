@@ -26,6 +26,7 @@ pub mod math;
 pub mod mathprobe;
 pub mod norm;
 pub mod ops;
+pub mod optim;
 #[cfg(target_arch = "nvptx64")]
 pub mod prim;
 pub mod reduce;

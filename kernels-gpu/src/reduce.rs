@@ -14,6 +14,20 @@
 //! the row with `rows::fold_row` (any length, any alignment), one group reduction per row; short
 //! rows pack several groups into a block (see `rows.rs`).
 //!
+//! Over the leading dimensions (`reduce_sum_cols`: a `[rows, cols]` view to `cols` sums, e.g. a
+//! bias gradient), two stages, deterministic, as the element-wise column sums
+//! (`elementwise.rs`) but with 16-byte loads: a block is `TX x TY = 256` threads, `TX` (a power
+//! of two up to 32) adjacent 16-byte column vectors by `TY` row lanes, so a warp reads up to 512
+//! contiguous bytes of a row and narrow matrices still fill their warps (rows of 4 f32 put 32
+//! rows in a warp). `gridDim.x` tiles the columns, `gridDim.y` splits the rows into chunks
+//! (lane `ty` of chunk `k` takes rows `k * TY + ty`, then every `gridDim.y * TY`-th); each
+//! thread keeps `VEC` column sums, folding [`UNROLL`] rows per round as a tree; the block adds
+//! its row lanes as a tree in shared memory and writes one partial row per chunk, which
+//! `norm_colsum` (norm.rs, the same finishing sum the norms' weight gradients use) adds in a
+//! fixed order. A grid of one chunk writes the result itself. Rows whose length is not a
+//! multiple of `VEC` are not 16-byte aligned: there each thread loads its `VEC` columns one by
+//! one (the warp's loads still cover contiguous bytes, through L1).
+//!
 //! Sums fold each round as a balanced tree (lanes, then vectors) before adding it to the
 //! thread's running sum, which keeps the depth of the summation short (the error bound is
 //! proportional to it). Mean is the sum times `scale = 1/n`, computed on the host in f64 and
@@ -39,6 +53,13 @@ pub type ReduceFinalArgs<T> = (*const f32, u64, *mut T, f32);
 /// Along the last dimension: `(x, out, rows, cols, scale)`: `out[r]` is the reduction of row `r`
 /// of `x` (`rows x cols`, `cols >= 1`).
 pub type ReduceRowsArgs<T> = (*const T, *mut T, u64, u64, f32);
+/// Over the leading dimensions, stage 1: `(x, partial, out, rows, cols, scale)`: the block at
+/// `(bx, k)` sums its chunk `k` of the rows of `x` (`rows x cols`) for its columns, times
+/// `scale` (the mean's `1/rows`), into `partial[k * cols + c]` (f32, `gridDim.y * cols`); a grid
+/// of one chunk writes `out[c]` (`cols` elements of `T`) instead, and `partial` may be null.
+/// Blocks of [`COLS_BLOCK`] threads as `(TX, COLS_BLOCK / TX)`, `TX` a power of two up to 32;
+/// dynamic shared memory [`cols_smem_bytes`].
+pub type ReduceColsArgs<T> = (*const T, *mut f32, *mut T, u64, u64, f32);
 /// Argmax stage 1: `(x, n, part_val, part_idx, out)`: block `b` writes its best value and index
 /// (`u64::MAX` for "none yet") to `part_val[b]`, `part_idx[b]`; a grid of one block writes the
 /// finished index to `out[0]`.
@@ -54,6 +75,14 @@ pub type ArgmaxRowsArgs<T> = (*const T, *mut i64, u64, u64);
 pub const UNROLL: usize = 4;
 /// Threads per block of stage 1 when the grid has more than one block.
 pub const PART_BLOCK: u32 = 256;
+/// Threads per block of `reduce_sum_cols`.
+pub const COLS_BLOCK: u32 = 256;
+
+/// Dynamic shared memory of `reduce_sum_cols` for `vec` elements per 16-byte vector: `VEC`
+/// floats per thread, for the tree over the row lanes.
+pub const fn cols_smem_bytes(vec: u32) -> u32 {
+    COLS_BLOCK * vec * 4
+}
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
@@ -246,6 +275,107 @@ mod device {
         );
     }
 
+    /// Stage 1 of the sums over the leading dimensions (see the module comment).
+    pub unsafe fn reduce_cols<T: Elem>(x: *const T, partial: *mut f32, out: *mut T, rows: u64, cols: u64, scale: f32) {
+        const { assert!(UNROLL == 4, "the round below is written out for four rows") };
+        let (tx, ty, bx, by) = (thread_idx_x(), thread_idx_y(), block_dim_x(), block_dim_y());
+        let w = T::VEC as u64;
+        // The first of this thread's VEC columns.
+        let c0 = (block_idx_x() as u64 * bx as u64 + tx as u64) * w;
+        let mut acc = [0.0f32; 8];
+        if c0 < cols {
+            // Rows of whole vectors start 16-byte aligned (x is a whole allocation).
+            let aligned = cols % w == 0;
+            // SAFETY: callers pass r < rows; columns c0 + k < cols are read, so every element
+            // lies inside x (rows * cols elements), and with `aligned` the VEC of them (c0 is a
+            // multiple of VEC) are one aligned 16-byte vector.
+            let ld = #[inline(always)]
+            |r: u64| unsafe {
+                let p = x.add((r * cols + c0) as usize);
+                if aligned {
+                    T::unpack(ld_global_nc_v4(p as *const u32))
+                } else {
+                    let mut v = [0.0f32; 8];
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| {
+                            if c0 + (k as u64) < cols {
+                                v[k] = (*p.add(k)).to_f32();
+                            }
+                        },
+                    );
+                    v
+                }
+            };
+            let step = grid_dim_y() as u64 * by as u64;
+            let mut r = block_idx_y() as u64 * by as u64 + ty as u64;
+            // Loads first, then a tree per round (see `grid_fold`). Written out, not an array of
+            // rows: an array indexed in a loop lands in local memory.
+            while r + 3 * step < rows {
+                let (a, b, c, d) = (ld(r), ld(r + step), ld(r + 2 * step), ld(r + 3 * step));
+                for_lanes::<T>(
+                    #[inline(always)]
+                    |k| acc[k] += (a[k] + b[k]) + (c[k] + d[k]),
+                );
+                r += UNROLL as u64 * step;
+            }
+            while r < rows {
+                let a = ld(r);
+                for_lanes::<T>(
+                    #[inline(always)]
+                    |k| acc[k] += a[k],
+                );
+                r += step;
+            }
+        }
+        // The row lanes as a tree over shared memory ([ty][tx][VEC]); `by` is a power of two and
+        // the same for every thread, so every thread reaches every barrier.
+        let smem = dyn_smem::<f32>();
+        let me = ((ty * bx + tx) as usize) * T::VEC;
+        // SAFETY (all shared accesses): indices below COLS_BLOCK * VEC, the launch's
+        // `cols_smem_bytes`.
+        for_lanes::<T>(
+            #[inline(always)]
+            |k| unsafe { *smem.add(me + k) = acc[k] },
+        );
+        sync_threads();
+        let mut half = by / 2;
+        while half > 0 {
+            if ty < half {
+                let other = me + (half * bx) as usize * T::VEC;
+                for_lanes::<T>(
+                    #[inline(always)]
+                    |k| unsafe { *smem.add(me + k) += *smem.add(other + k) },
+                );
+            }
+            sync_threads();
+            half /= 2;
+        }
+        if ty == 0 && c0 < cols {
+            let chunk = block_idx_y() as u64;
+            let single = grid_dim_y() == 1;
+            for_lanes::<T>(
+                #[inline(always)]
+                |k| {
+                    let c = c0 + k as u64;
+                    if c < cols {
+                        // SAFETY: c < cols; out holds cols elements, partial gridDim.y * cols
+                        // floats (host-allocated from the same grid) when there is more than one
+                        // chunk.
+                        unsafe {
+                            let s = *smem.add(me + k) * scale;
+                            if single {
+                                *out.add(c as usize) = T::from_f32(s);
+                            } else {
+                                *partial.add((chunk * cols + c) as usize) = s;
+                            }
+                        }
+                    }
+                },
+            );
+        }
+    }
+
     // --- argmax --------------------------------------------------------------------------------
 
     /// "No index yet": larger than every index, so it loses every tie.
@@ -387,7 +517,8 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
-// --- the kernels: `reduce_<sum|max|min|argmax>_<all|final|rows>_<dtype>`, `reduce_argmax_final` ---
+// --- the kernels: `reduce_<sum|max|min|argmax>_<all|final|rows>_<dtype>`, `reduce_argmax_final`,
+// `reduce_sum_cols_<dtype>` ---------------------------------------------------------------------
 
 macro_rules! reduce_kernels {
     ($T:ty, $sfx:ident) => {
@@ -399,6 +530,8 @@ macro_rules! reduce_kernels {
                 argmax_part::<$T>(x, n, part_val, part_idx, out));
             $crate::kernel!([<reduce_argmax_rows_ $sfx>]: ArgmaxRowsArgs<$T> = |x, out, rows, cols|
                 argmax_rows::<$T>(x, out, rows, cols));
+            $crate::kernel!([<reduce_sum_cols_ $sfx>]: ReduceColsArgs<$T> = |x, partial, out, rows, cols, scale|
+                reduce_cols::<$T>(x, partial, out, rows, cols, scale));
         }
     };
     (@op $T:ty, $sfx:ident, $op:ident, $O:ident) => {

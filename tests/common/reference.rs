@@ -333,3 +333,46 @@ pub fn binary_bwd_tol(op: BinaryOp, y: f64, g: f64) -> (Tol, Tol) {
         _ => (exact, exact),
     }
 }
+
+// --- AdamW ----------------------------------------------------------------------------------
+
+/// One AdamW step of one element, exact (f64), with the error the kernel's f32 computation may
+/// make in each result (absolute; [`super::close`] adds the rounding to the storage type).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWStep {
+    pub p: f64,
+    pub m: f64,
+    pub v: f64,
+    pub tol_p: Tol,
+    pub tol_m: Tol,
+    pub tol_v: Tol,
+}
+
+/// AdamW at step `step` from the stored `p, g, m, v`, in PyTorch's form (not the kernel's
+/// refolded one, so the refolding is checked too):
+/// `p' = p (1 - lr wd) - lr / bc1 * m' / (sqrt(v') / sqrt(bc2) + eps)`. The tolerances are
+/// derived in the header of `tests/optim.rs`.
+pub fn adamw(p: f64, g: f64, m: f64, v: f64, cfg: &kernels::ops::AdamW, step: u64) -> AdamWStep {
+    let u = U / 2.0; // unit roundoff of f32
+    let (b1, b2, lr, wd) = (cfg.beta1, cfg.beta2, cfg.lr, cfg.weight_decay);
+    let t = step as f64;
+    let bc1 = 1.0 - b1.powf(t);
+    let bc2_sqrt = (1.0 - b2.powf(t)).sqrt();
+    let m1 = b1 * m + (1.0 - b1) * g;
+    let v1 = b2 * v + (1.0 - b2) * g * g;
+    let denom = v1.sqrt() / bc2_sqrt + cfg.eps;
+    let upd = lr / bc1 * m1 / denom;
+    let d = 1.0 - lr * wd;
+    let p1 = p * d - upd;
+
+    let e_m = 1.01 * u * (m1.abs() + b1 * m.abs() + 2.0 * (1.0 - b1) * g.abs());
+    let e_v = 1.01 * u * (2.0 * b2 * v + 4.0 * (1.0 - b2) * g * g);
+    let eps_v = if v1 > 0.0 { e_v / v1 } else { 0.0 };
+    let eps_d = eps_v / 2.0 + 2.0 * u;
+    // S / d' of the header: (lr bc2_sqrt / bc1) / (sqrt(v') + eps bc2_sqrt) = lr / bc1 / denom.
+    let s_over_d = lr / bc1 / denom;
+    let e_p =
+        1.01 * (u * p1.abs() + u * p.abs() * (d.abs() + lr * wd) + s_over_d * e_m + upd.abs() * (eps_d + 2.0 * u));
+    let tol = |atol: f64| Tol { rtol: 0.0, atol: if atol.is_finite() { atol } else { 0.0 } };
+    AdamWStep { p: p1, m: m1, v: v1, tol_p: tol(e_p), tol_m: tol(e_m), tol_v: tol(e_v) }
+}
