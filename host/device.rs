@@ -8,6 +8,9 @@
 //! issued, so results are ready for the next op without synchronisation; copies back to the host
 //! synchronise. Memory comes from the driver's stream-ordered pool (`cuMemAllocAsync`), and freed
 //! buffers are cached by the device and reused without a driver call (see `Device::alloc`).
+//!
+//! Foreign streams (PyTorch's): inside [`Device::with_stream`] the calling thread's work on the
+//! device goes to the given stream instead, and allocations bypass the cache (see there).
 
 use crate::error::{Error, Result, driver};
 use cudarc::driver::{result, sys};
@@ -102,6 +105,10 @@ impl PartialEq for Device {
 
 thread_local! {
     static CURRENT_CTX: Cell<sys::CUcontext> = const { Cell::new(std::ptr::null_mut()) };
+    /// The stream set by [`Device::with_stream`] on this thread: the address of the overriding
+    /// device's `Inner` and the stream handle (as integers, so that buffers recording the stream
+    /// stay `Send`).
+    static STREAM_OVERRIDE: Cell<Option<(usize, usize)>> = const { Cell::new(None) };
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
@@ -165,12 +172,83 @@ impl Device {
         Ok(())
     }
 
-    /// Waits for all work issued on this device. Reports a kernel fault with the name of the
-    /// last kernel launched (exact with `KERNELS_SYNC=1`, which synchronises after every launch).
+    /// Waits for all work issued on this device (inside [`Device::with_stream`]: on that
+    /// stream). Reports a kernel fault with the name of the last kernel launched (exact with
+    /// `KERNELS_SYNC=1`, which synchronises after every launch).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        // SAFETY: the stream belongs to this device's context, bound above.
-        unsafe { result::stream::synchronize(self.0.stream) }.map_err(|e| self.kernel_fault(e))
+        // SAFETY: the stream belongs to this device's context, bound above (a foreign one by the
+        // contract of `with_stream`).
+        unsafe { result::stream::synchronize(self.stream()) }.map_err(|e| self.kernel_fault(e))
+    }
+
+    /// The foreign stream of [`Device::with_stream`], if this thread is inside it for this device.
+    fn foreign_stream(&self) -> Option<sys::CUstream> {
+        match STREAM_OVERRIDE.with(Cell::get) {
+            Some((dev, s)) if dev == Arc::as_ptr(&self.0) as usize => Some(s as sys::CUstream),
+            _ => None,
+        }
+    }
+
+    /// The stream this thread's work on the device goes to.
+    fn stream(&self) -> sys::CUstream {
+        self.foreign_stream().unwrap_or(self.0.stream)
+    }
+
+    /// Runs `f` with every launch, copy and memset this thread issues on this device going to
+    /// `stream` (a `CUstream`, e.g. PyTorch's `torch.cuda.current_stream().cuda_stream`; 0 is
+    /// the legacy default stream) instead of the device's own stream, so that the work is
+    /// ordered with whatever else runs on `stream`. Nests; restores the previous stream and the
+    /// thread's previous current context on return, also when `f` panics.
+    ///
+    /// Allocation inside `f` bypasses the device's cache: the cache's reuse is sound only
+    /// because all of its blocks are used on the one device stream, and a block used on
+    /// `stream` could be handed out again while a kernel on `stream` still reads it. Instead,
+    /// memory is allocated with `cuMemAllocAsync` on `stream` and freed with `cuMemFreeAsync` on
+    /// `stream` when the tensor drops, which the driver orders after the work on that stream
+    /// (the memory comes from the device's default pool, which keeps it for reuse: no
+    /// allocation reaches the OS on the hot path).
+    ///
+    /// # Safety
+    /// - `stream` is a valid stream of this device's primary context (PyTorch's streams of this
+    ///   device are), and stays valid until every tensor allocated inside `f` has been dropped.
+    /// - Tensors allocated inside `f` are used only on `stream` (inside this or another
+    ///   `with_stream` call on the same stream), not on the device's own stream.
+    /// - Tensors that `f` uses but that were allocated outside it (by the device's cache or
+    ///   borrowed from foreign memory) are ready for `stream`: work that wrote them on another
+    ///   stream has completed or is ordered before `stream`'s current position, and no other
+    ///   stream writes them while `f`'s work runs; `f` does not drop such cached tensors (their
+    ///   blocks would go back to the cache while `stream` may still read them).
+    pub unsafe fn with_stream<R>(&self, stream: *mut std::ffi::c_void, f: impl FnOnce() -> R) -> Result<R> {
+        struct Restore {
+            stream: Option<(usize, usize)>,
+            ctx: Option<sys::CUcontext>,
+        }
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                STREAM_OVERRIDE.with(|c| c.set(self.stream));
+                if let Some(ctx) = self.ctx {
+                    // SAFETY: the context was current on entry, so it is alive (the caller's).
+                    if unsafe { result::ctx::set_current(ctx) }.is_ok() {
+                        CURRENT_CTX.with(|c| c.set(ctx));
+                    }
+                }
+            }
+        }
+        // Foreign code (PyTorch's runtime) may have changed the current context behind the
+        // per-thread cache of `bind`: ask the driver, make ours current, and give theirs back.
+        let prev_ctx = result::ctx::get_current().map_err(|e| driver("with_stream", e))?;
+        if prev_ctx != Some(self.0.ctx) {
+            // SAFETY: the retained primary context of this device, alive while self is.
+            unsafe { result::ctx::set_current(self.0.ctx) }.map_err(|e| driver("with_stream", e))?;
+        }
+        CURRENT_CTX.with(|c| c.set(self.0.ctx));
+        let key = Some((Arc::as_ptr(&self.0) as usize, stream as usize));
+        let _restore = Restore {
+            stream: STREAM_OVERRIDE.with(|c| c.replace(key)),
+            ctx: prev_ctx.filter(|&c| c != self.0.ctx && !c.is_null()),
+        };
+        Ok(f())
     }
 
     fn kernel_fault(&self, e: cudarc::driver::DriverError) -> Error {
@@ -252,7 +330,7 @@ impl Device {
                 cfg.grid,
                 cfg.block,
                 cfg.shared_bytes,
-                self.0.stream,
+                self.stream(),
                 &mut params[..A::ARITY],
             )
         }
@@ -271,9 +349,15 @@ impl Device {
     /// a device is ordered on its one stream: a kernel that writes a reused block runs after
     /// every kernel that used it before. When the driver reports out-of-memory, the cache is
     /// released and the allocation tried once more.
+    ///
+    /// Inside [`Device::with_stream`], memory is allocated and freed stream-ordered on the
+    /// foreign stream instead, bypassing the cache (see there for why).
     pub(crate) fn alloc(&self, op: &'static str, bytes: usize) -> Result<DeviceBuffer> {
         if bytes == 0 {
-            return Ok(DeviceBuffer { ptr: 0, bytes: 0, capacity: 0, dev: self.clone() });
+            return Ok(DeviceBuffer { ptr: 0, bytes: 0, capacity: 0, dev: self.clone(), origin: Origin::Cache });
+        }
+        if let Some(stream) = self.foreign_stream() {
+            return self.alloc_on(op, bytes, stream);
         }
         let capacity = block_capacity(bytes);
         let cached = self.0.pool.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&capacity).and_then(Vec::pop);
@@ -297,7 +381,33 @@ impl Device {
                 }
             }
         };
-        let mut buf = DeviceBuffer { ptr, bytes, capacity, dev: self.clone() };
+        let mut buf = DeviceBuffer { ptr, bytes, capacity, dev: self.clone(), origin: Origin::Cache };
+        if self.0.poison_alloc {
+            buf.memset(0xFF)?;
+        }
+        Ok(buf)
+    }
+
+    /// `bytes` (> 0) from the driver's pool, ordered on the foreign `stream` and returned to it
+    /// on drop, stream-ordered on `stream`.
+    fn alloc_on(&self, op: &'static str, bytes: usize, stream: sys::CUstream) -> Result<DeviceBuffer> {
+        self.bind()?;
+        // SAFETY: `stream` belongs to the bound context (the contract of `with_stream`).
+        let ptr = match unsafe { result::malloc_async(stream, bytes) } {
+            Ok(p) => p,
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                // The device's own cache may hold the memory; `empty_cache` waits for its stream.
+                self.empty_cache()?;
+                // SAFETY: as above.
+                unsafe { result::malloc_async(stream, bytes) }.map_err(|e| match driver(op, e) {
+                    Error::OutOfMemory { op, .. } => Error::OutOfMemory { op, bytes },
+                    other => other,
+                })?
+            }
+            Err(e) => return Err(driver(op, e)),
+        };
+        let mut buf =
+            DeviceBuffer { ptr, bytes, capacity: bytes, dev: self.clone(), origin: Origin::Stream(stream as usize) };
         if self.0.poison_alloc {
             buf.memset(0xFF)?;
         }
@@ -309,19 +419,29 @@ impl Device {
         let blocks = std::mem::take(&mut *self.0.pool.lock().unwrap_or_else(|p| p.into_inner()));
         self.bind()?;
         for p in blocks.into_values().flatten() {
-            // SAFETY: cached blocks are owned by the cache and referenced by nothing else.
+            // SAFETY: cached blocks are owned by the cache and referenced by nothing else; they
+            // were used on the device's own stream only.
             unsafe { result::free_async(p, self.0.stream) }.map_err(|e| driver("empty_cache", e))?;
         }
-        self.synchronize()
+        // SAFETY: the device's own stream, in the bound context.
+        unsafe { result::stream::synchronize(self.0.stream) }.map_err(|e| self.kernel_fault(e))
     }
 
-    /// Records a timing event on this device's stream.
+    /// The `CUstream` this thread's work on the device goes to (the device's own stream, or the
+    /// one of [`Device::with_stream`]), for ordering another CUDA library's work with the
+    /// library's (the GEMM bench runs cuBLAS on it).
+    pub fn cu_stream(&self) -> *mut std::ffi::c_void {
+        self.stream() as *mut std::ffi::c_void
+    }
+
+    /// Records a timing event on this device's stream (inside [`Device::with_stream`]: on that
+    /// stream).
     pub fn record_event(&self) -> Result<Event> {
         self.bind()?;
         let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| driver("record_event", e))?;
         let event = Event { ev, dev: self.clone() };
         // SAFETY: event and stream belong to the bound context.
-        unsafe { result::event::record(event.ev, self.0.stream) }.map_err(|e| driver("record_event", e))?;
+        unsafe { result::event::record(event.ev, self.stream()) }.map_err(|e| driver("record_event", e))?;
         Ok(event)
     }
 }
@@ -361,15 +481,39 @@ pub(crate) fn block_capacity(bytes: usize) -> usize {
     if bytes <= 1 << 20 { bytes.div_ceil(SMALL) * SMALL } else { bytes.div_ceil(LARGE) * LARGE }
 }
 
-/// Device memory owned by one tensor; returned to the device's cache on drop.
+/// Where a buffer's memory came from, which decides what its drop does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    /// The device's cache (`Device::alloc`): returned to it.
+    Cache,
+    /// `cuMemAllocAsync` on a foreign stream (the `CUstream` as an integer) inside
+    /// `Device::with_stream`: freed with `cuMemFreeAsync` on that stream.
+    Stream(usize),
+    /// Memory owned by someone else (PyTorch): left alone.
+    Borrowed,
+}
+
+/// Device memory of one tensor: owned (returned to the device's cache, or freed on its stream,
+/// on drop) or borrowed from its owner.
 pub(crate) struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     capacity: usize,
     dev: Device,
+    origin: Origin,
 }
 
 impl DeviceBuffer {
+    /// Wraps `bytes` of device memory at `ptr` owned by someone else; dropping the buffer leaves
+    /// the memory alone.
+    ///
+    /// # Safety
+    /// `ptr` is an address in `dev`'s primary context, valid for reads and writes of `bytes`
+    /// bytes for as long as the buffer (and whatever tensor holds it) lives.
+    pub(crate) unsafe fn borrowed(dev: &Device, ptr: u64, bytes: usize) -> DeviceBuffer {
+        DeviceBuffer { ptr, bytes, capacity: bytes, dev: dev.clone(), origin: Origin::Borrowed }
+    }
+
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -390,7 +534,7 @@ impl DeviceBuffer {
         // SAFETY: the buffer holds `bytes` = size_of_val(src); the synchronisation keeps `src`
         // borrowed until the copy is done.
         unsafe {
-            result::memcpy_htod_async(self.ptr, src, self.dev.0.stream).map_err(|e| driver("copy_from_host", e))?;
+            result::memcpy_htod_async(self.ptr, src, self.dev.stream()).map_err(|e| driver("copy_from_host", e))?;
         }
         self.dev.synchronize()
     }
@@ -404,7 +548,7 @@ impl DeviceBuffer {
         self.dev.bind()?;
         // SAFETY: sizes match; the synchronisation completes the copy before `dst` is released.
         unsafe {
-            result::memcpy_dtoh_async(dst, self.ptr, self.dev.0.stream).map_err(|e| driver("copy_to_host", e))?;
+            result::memcpy_dtoh_async(dst, self.ptr, self.dev.stream()).map_err(|e| driver("copy_to_host", e))?;
         }
         self.dev.synchronize()
     }
@@ -417,7 +561,7 @@ impl DeviceBuffer {
         }
         self.dev.bind()?;
         // SAFETY: both buffers hold `bytes` bytes on this device.
-        unsafe { result::memcpy_dtod_async(dst.ptr, self.ptr, self.bytes, self.dev.0.stream) }
+        unsafe { result::memcpy_dtod_async(dst.ptr, self.ptr, self.bytes, self.dev.stream()) }
             .map_err(|e| driver("copy", e))
     }
 
@@ -428,16 +572,30 @@ impl DeviceBuffer {
         }
         self.dev.bind()?;
         // SAFETY: the buffer holds `bytes` bytes.
-        unsafe { result::memset_d8_async(self.ptr, value, self.bytes, self.dev.0.stream) }
+        unsafe { result::memset_d8_async(self.ptr, value, self.bytes, self.dev.stream()) }
             .map_err(|e| driver("memset", e))
     }
 }
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ptr != 0 {
-            let mut pool = self.dev.0.pool.lock().unwrap_or_else(|p| p.into_inner());
-            pool.entry(self.capacity).or_default().push(self.ptr);
+        if self.ptr == 0 {
+            return;
+        }
+        match self.origin {
+            Origin::Cache => {
+                let mut pool = self.dev.0.pool.lock().unwrap_or_else(|p| p.into_inner());
+                pool.entry(self.capacity).or_default().push(self.ptr);
+            }
+            Origin::Stream(stream) => {
+                if self.dev.bind().is_ok() {
+                    // SAFETY: allocated on `stream`, which by the contract of `with_stream` is
+                    // alive and the only stream that used the buffer: the driver frees it after
+                    // that stream's work. Nothing refers to the buffer after this.
+                    let _ = unsafe { result::free_async(self.ptr, stream as sys::CUstream) };
+                }
+            }
+            Origin::Borrowed => {}
         }
     }
 }

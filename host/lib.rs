@@ -22,10 +22,12 @@
 //!
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
 //! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), [`launch`] the
-//! launch geometry, [`error`] the error type.
+//! launch geometry, [`error`] the error type, [`interop`] borrowed memory and foreign streams
+//! (PyTorch).
 
 pub mod device;
 pub mod error;
+pub mod interop;
 pub mod launch;
 pub mod ops;
 pub mod tensor;

@@ -82,6 +82,13 @@ impl Tensor {
         Ok(Tensor { buf: dev.alloc(op, bytes)?, shape: shape.to_vec(), dtype })
     }
 
+    /// A tensor over `buf`, which holds exactly `shape`'s elements of `dtype` (the interop's
+    /// borrowed tensors).
+    pub(crate) fn from_buffer(buf: DeviceBuffer, shape: Vec<usize>, dtype: DType) -> Tensor {
+        debug_assert_eq!(shape.iter().product::<usize>() * dtype.size(), buf.bytes());
+        Tensor { buf, shape, dtype }
+    }
+
     /// An uninitialised tensor of the same shape, dtype and device as `self`.
     pub(crate) fn alloc_like(&self, op: &'static str) -> Result<Tensor> {
         Self::alloc(op, self.device(), &self.shape, self.dtype)
@@ -218,6 +225,13 @@ impl Tensor {
         self.shape.last().copied().unwrap_or(1)
     }
 
+    /// Device address of the first element, for handing the tensor to another CUDA library (the
+    /// GEMM bench gives it to cuBLAS). Reading or writing through it is the caller's
+    /// responsibility: the tensor must outlive that use, which must be ordered on
+    /// [`Device::cu_stream`].
+    pub fn device_ptr(&self) -> u64 {
+        self.buf.ptr()
+    }
     /// Device address of the first element, typed for a kernel parameter.
     pub(crate) fn dev_ptr<T>(&self) -> *const T {
         self.buf.ptr() as *const T
@@ -268,6 +282,12 @@ impl IndexTensor {
         let mut t = Self::alloc("IndexTensor::zeros", dev, shape)?;
         t.buf.memset(0)?;
         Ok(t)
+    }
+
+    /// Indices over `buf`, which holds exactly `shape`'s element count of i64.
+    pub(crate) fn from_buffer(buf: DeviceBuffer, shape: Vec<usize>) -> IndexTensor {
+        debug_assert_eq!(shape.iter().product::<usize>() * 8, buf.bytes());
+        IndexTensor { buf, shape }
     }
 
     /// Uninitialised indices (written by the op that allocates them).

@@ -59,6 +59,26 @@ pub struct CrossEntropySaved {
     opts: CrossEntropyOpts,
 }
 
+impl CrossEntropySaved {
+    /// What [`cross_entropy_out`] writes into and [`cross_entropy_backward`] reads, over given
+    /// tensors: `lse` f32 `[N]` and `count` f32 `[1]` (e.g. memory of another library's
+    /// allocator, see [`crate::interop`]).
+    pub fn from_parts(lse: Tensor, count: Tensor, opts: CrossEntropyOpts) -> Result<CrossEntropySaved> {
+        let op = "CrossEntropySaved::from_parts";
+        for (t, what) in [(&lse, "lse"), (&count, "count")] {
+            if t.dtype() != DType::F32 {
+                return Err(Error::InvalidArgument { op, message: format!("{what} must be f32, got {:?}", t.dtype()) });
+            }
+        }
+        check_same_device(op, &lse, &count)?;
+        if lse.shape().len() != 1 {
+            return Err(Error::InvalidArgument { op, message: format!("lse must be [N], got {:?}", lse.shape()) });
+        }
+        super::shapes_match(op, &[1], count.shape(), "count holds one number")?;
+        Ok(CrossEntropySaved { lse, count, opts })
+    }
+}
+
 fn check(op: &'static str, logits: &Tensor, target: &IndexTensor, opts: &CrossEntropyOpts) -> Result<(u64, u64)> {
     if logits.shape().len() != 2 {
         return Err(Error::InvalidArgument {
@@ -105,17 +125,46 @@ pub fn cross_entropy(
     opts: CrossEntropyOpts,
 ) -> Result<(Tensor, CrossEntropySaved)> {
     let op = "cross_entropy";
-    let (rows, cols) = check(op, logits, target, &opts)?;
+    let (rows, _) = check(op, logits, target, &opts)?;
     let dev = logits.device();
     let dt = logits.dtype();
-    let mut lse = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
-    let mut loss_f32 = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
-    let mut count = Tensor::alloc(op, dev, &[1], DType::F32)?;
+    let mut saved = CrossEntropySaved {
+        lse: Tensor::alloc(op, dev, &[rows as usize], DType::F32)?,
+        count: Tensor::alloc(op, dev, &[1], DType::F32)?,
+        opts,
+    };
     let mut out = if opts.reduction == Reduction::None {
         Tensor::alloc(op, dev, &[rows as usize], dt)?
     } else {
         Tensor::alloc(op, dev, &[], dt)?
     };
+    cross_entropy_out(logits, target, opts, &mut out, &mut saved)?;
+    Ok((out, saved))
+}
+
+/// [`cross_entropy`] into `out` (shape `[]`, or `[N]` for [`Reduction::None`], the logits' dtype)
+/// and `saved` (from [`CrossEntropySaved::from_parts`] over `[N]` and `[1]`, or an earlier
+/// forward's), which remembers `opts` for the backward.
+pub fn cross_entropy_out(
+    logits: &Tensor,
+    target: &IndexTensor,
+    opts: CrossEntropyOpts,
+    out: &mut Tensor,
+    saved: &mut CrossEntropySaved,
+) -> Result<()> {
+    let op = "cross_entropy";
+    let (rows, cols) = check(op, logits, target, &opts)?;
+    let dev = logits.device();
+    let dt = logits.dtype();
+    check_same_device(op, logits, out)?;
+    check_same_dtype(op, logits, out)?;
+    let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
+    super::shapes_match(op, want, out.shape(), "the loss has one entry per row, or none when reduced")?;
+    check_same_device(op, logits, &saved.lse)?;
+    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "lse has one entry per row")?;
+    saved.opts = opts;
+    let CrossEntropySaved { lse, count, .. } = saved;
+    let mut loss_f32 = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
     let mut bad = IndexTensor::zeros(dev, &[1])?;
     if let Some(cfg) = plan(dt, rows, cols) {
         let kernel = kernels_gpu::kernel_name!("cross_entropy_fwd", dt);
@@ -177,7 +226,7 @@ pub fn cross_entropy(
             ),
         });
     }
-    Ok((out, CrossEntropySaved { lse, count, opts }))
+    Ok(())
 }
 
 /// Gradient of the logits of [`cross_entropy`], given the gradient of its loss (shape `[]`,
@@ -189,6 +238,19 @@ pub fn cross_entropy_backward(
     saved: &CrossEntropySaved,
     grad: &Tensor,
 ) -> Result<Tensor> {
+    let mut gx = logits.alloc_like("cross_entropy_backward")?;
+    cross_entropy_backward_out(logits, target, saved, grad, &mut gx)?;
+    Ok(gx)
+}
+
+/// [`cross_entropy_backward`] into `gx` (the logits' shape and dtype).
+pub fn cross_entropy_backward_out(
+    logits: &Tensor,
+    target: &IndexTensor,
+    saved: &CrossEntropySaved,
+    grad: &Tensor,
+    gx: &mut Tensor,
+) -> Result<()> {
     let op = "cross_entropy_backward";
     let opts = saved.opts;
     let (rows, cols) = check(op, logits, target, &opts)?;
@@ -196,11 +258,14 @@ pub fn cross_entropy_backward(
     check_same_dtype(op, logits, grad)?;
     let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
     super::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
+    check_same_device(op, logits, &saved.lse)?;
     super::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
+    check_same_device(op, logits, gx)?;
+    check_same_dtype(op, logits, gx)?;
+    super::check_same_shape(op, logits, gx, "the logits' gradient has the logits' shape")?;
     let dev = logits.device();
     let dt = logits.dtype();
-    let mut gx = logits.alloc_like(op)?;
-    let Some(cfg) = plan(dt, rows, cols) else { return Ok(gx) };
+    let Some(cfg) = plan(dt, rows, cols) else { return Ok(()) };
     let kernel = kernels_gpu::kernel_name!("cross_entropy_bwd", dt);
     with_elem!(dt, |T| {
         let args: CrossEntropyBwdArgs<T> = (
@@ -219,8 +284,7 @@ pub fn cross_entropy_backward(
         // SAFETY: logits and gx hold rows * cols elements of T; target and lse rows; grad rows
         // (none) or one; count one.
         unsafe { dev.launch(kernel, cfg, args) }
-    })?;
-    Ok(gx)
+    })
 }
 
 pub(crate) fn launched_kernels() -> Vec<(String, usize)> {

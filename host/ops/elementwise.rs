@@ -222,23 +222,30 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
 
 /// Gradient of `op` at `x`: `op'(x) * grad` (the exact derivative, not an approximation).
 pub fn unary_backward(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
+    let mut gx = x.alloc_like("unary_backward")?;
+    unary_backward_out(x, grad, op, &mut gx)?;
+    Ok(gx)
+}
+
+/// [`unary_backward`] into `gx` (the input's shape and dtype).
+pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx: &mut Tensor) -> Result<()> {
     let op = op.into();
     let name = "unary_backward";
     op.validate(name)?;
     check_same_device(name, x, grad)?;
     check_same_dtype(name, x, grad)?;
     check_same_shape(name, x, grad, "grad must have the input's shape")?;
-    let mut gx = x.alloc_like(name)?;
+    check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
     let kernel = k.bwd(x.dtype());
-    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(gx) };
+    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), n, a, b);
-        // SAFETY: all three hold n elements of T on this device.
+        // SAFETY: all three hold n elements of T on this device; gx is borrowed mutably, so it
+        // aliases neither input.
         unsafe { x.device().launch(kernel, cfg, args) }
-    })?;
-    Ok(gx)
+    })
 }
 
 // --- binary -------------------------------------------------------------------------------------
@@ -347,6 +354,14 @@ pub fn scale_bias_act(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation
     Ok(out)
 }
 
+/// [`scale_bias_act`] into `out` (the shape and dtype of `x`).
+pub fn scale_bias_act_out(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation, out: &mut Tensor) -> Result<()> {
+    let name = "scale_bias_act_out";
+    check_binary(name, x, out)?;
+    let p = out.dev_ptr_mut::<u8>() as u64;
+    scale_bias_act_impl(name, x, x.dev_ptr_u64(), scale, bias, act, p)
+}
+
 /// `x = act(x * scale + bias)`, in place.
 pub fn scale_bias_act_(x: &mut Tensor, scale: &Tensor, bias: &Tensor, act: Activation) -> Result<()> {
     let p = x.dev_ptr_mut::<u8>() as u64;
@@ -386,15 +401,35 @@ pub fn scale_bias_act_backward(
     act: Activation,
 ) -> Result<ScaleBiasActGrads> {
     let name = "scale_bias_act_backward";
+    let mut g = ScaleBiasActGrads {
+        x: x.alloc_like(name)?,
+        scale: Tensor::alloc(name, x.device(), scale.shape(), x.dtype())?,
+        bias: Tensor::alloc(name, x.device(), bias.shape(), x.dtype())?,
+    };
+    scale_bias_act_backward_out(x, scale, bias, grad, act, &mut g)?;
+    Ok(g)
+}
+
+/// [`scale_bias_act_backward`] into `grads` (shaped as `x`, `scale` and `bias`).
+pub fn scale_bias_act_backward_out(
+    x: &Tensor,
+    scale: &Tensor,
+    bias: &Tensor,
+    grad: &Tensor,
+    act: Activation,
+    grads: &mut ScaleBiasActGrads,
+) -> Result<()> {
+    let name = "scale_bias_act_backward";
     act.validate(name)?;
     check_row(name, x, scale, "scale must match the last dimension")?;
     check_row(name, x, bias, "bias must match the last dimension")?;
     check_binary(name, x, grad)?;
+    check_binary(name, x, &grads.x)?;
+    check_row(name, x, &grads.scale, "the scale's gradient must match the last dimension")?;
+    check_row(name, x, &grads.bias, "the bias's gradient must match the last dimension")?;
     let (k, a, b) = act.kernel();
-    let (gx, mut g) = launch_row_bwd(name, x, scale, Some(bias), grad, k.bwd(x.dtype()), 2, a, b)?;
-    let gbias = g.pop().expect("two accumulators");
-    let gscale = g.pop().expect("two accumulators");
-    Ok(ScaleBiasActGrads { x: gx, scale: gscale, bias: gbias })
+    let ScaleBiasActGrads { x: gx, scale: gs, bias: gb } = grads;
+    launch_row_bwd_into(name, x, scale, Some(bias), grad, k.bwd(x.dtype()), a, b, gx, &mut [gs, gb])
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -432,17 +467,42 @@ fn launch_row_bwd(
     a: f32,
     b: f32,
 ) -> Result<(Tensor, Vec<Tensor>)> {
-    let dev = x.device();
-    let cols = x.last_dim() as u64;
-    let rows = (x.numel() as u64).checked_div(cols).unwrap_or(0);
+    let cols = x.last_dim();
     let mut gx = x.alloc_like(name)?;
     let mut grads = Vec::with_capacity(n_acc);
+    for _ in 0..n_acc {
+        grads.push(Tensor::alloc(name, x.device(), &[cols], x.dtype())?);
+    }
+    let mut refs: Vec<&mut Tensor> = grads.iter_mut().collect();
+    launch_row_bwd_into(name, x, p0, p1, grad, kernel, a, b, &mut gx, &mut refs)?;
+    Ok((gx, grads))
+}
+
+/// [`launch_row_bwd`] into `gx` (x's shape) and the parameter gradients `grads` (each of shape
+/// `[cols]`, dtype of x; the callers checked all shapes, dtypes and devices).
+#[allow(clippy::too_many_arguments)]
+fn launch_row_bwd_into(
+    name: &'static str,
+    x: &Tensor,
+    p0: &Tensor,
+    p1: Option<&Tensor>,
+    grad: &Tensor,
+    kernel: &'static str,
+    a: f32,
+    b: f32,
+    gx: &mut Tensor,
+    grads: &mut [&mut Tensor],
+) -> Result<()> {
+    let dev = x.device();
+    let n_acc = grads.len();
+    let cols = x.last_dim() as u64;
+    let rows = (x.numel() as u64).checked_div(cols).unwrap_or(0);
     let Some((cfg, chunks)) = launch::col_reduce(rows, cols, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
         // No rows: the parameter gradients are sums of nothing.
-        for _ in 0..n_acc {
-            grads.push(Tensor::zeros(dev, &[cols as usize], x.dtype())?);
+        for g in grads.iter_mut() {
+            g.fill_(0.0)?;
         }
-        return Ok((gx, grads));
+        return Ok(());
     };
     let mut partial = Tensor::alloc(name, dev, &[n_acc, chunks as usize, cols as usize], DType::F32)?;
     let p1 = p1.map_or(0, |t| t.dev_ptr_u64());
@@ -465,19 +525,17 @@ fn launch_row_bwd(
     })?;
     let finish = colsum_finish_kernel(x.dtype());
     let fcfg = launch::one_per_thread(cols).expect("cols > 0");
-    for k in 0..n_acc {
-        let mut g = Tensor::alloc(name, dev, &[cols as usize], x.dtype())?;
+    for (k, g) in grads.iter_mut().enumerate() {
         let part = partial.dev_ptr_u64() + (k as u64 * chunks as u64 * cols * 4);
         with_elem!(x.dtype(), |T| {
             let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut(), chunks as u64, cols);
             // SAFETY: `part` is the k-th [chunks, cols] block of partial; g holds cols elements.
             unsafe { dev.launch(finish, fcfg, args) }
         })?;
-        grads.push(g);
     }
     // `partial` is freed stream-ordered after the finishing kernels.
     drop(partial);
-    Ok((gx, grads))
+    Ok(())
 }
 
 #[cfg(test)]

@@ -88,15 +88,38 @@ fn forward(
     bias: Option<&Tensor>,
     eps: f32,
 ) -> Result<(Tensor, NormStats)> {
+    let (_, _) = rows_of(op, x)?;
+    let dev = x.device();
+    let stat_shape = &x.shape()[..x.shape().len() - 1];
+    let mut y = x.alloc_like(op)?;
+    let mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
+    let mut stats = NormStats { mean, rstd: Tensor::alloc(op, dev, stat_shape, DType::F32)? };
+    forward_out(op, kind, x, weight, bias, eps, &mut y, &mut stats)?;
+    Ok((y, stats))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_out(
+    op: &'static str,
+    kind: Kind,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+    y: &mut Tensor,
+    stats: &mut NormStats,
+) -> Result<()> {
     check_eps(op, eps)?;
     check_param(op, x, weight, "the weight must match the last dimension")?;
     check_param(op, x, bias, "the bias must match the last dimension")?;
     let (rows, cols) = rows_of(op, x)?;
     let dev = x.device();
+    check_same_device(op, x, y)?;
+    check_same_dtype(op, x, y)?;
+    check_same_shape(op, x, y, "the output must have the input's shape")?;
     let stat_shape = &x.shape()[..x.shape().len() - 1];
-    let mut y = x.alloc_like(op)?;
-    let mut mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
-    let mut rstd = Tensor::alloc(op, dev, stat_shape, DType::F32)?;
+    check_stats(op, kind, x, stats, stat_shape)?;
+    let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
     let stem = format!("{}_fwd", kind.stem());
     if let Some(p) = row_plan(dev, &stem, dt, rows, cols, kind.fwd_vectors(dt), true)? {
@@ -118,23 +141,35 @@ fn forward(
             unsafe { dev.launch(&p.kernel, p.cfg, args) }
         })?;
     }
-    Ok((y, NormStats { mean, rstd }))
+    Ok(())
 }
 
-/// Launches `norm_colsum` over `partial[2][chunks][cols]` into new `[cols]` tensors of the
-/// input's dtype: the weight gradient if `dw`, the bias gradient if `db`.
+/// The statistics must be f32, one per row, on x's device; a mean exactly for layer norm.
+fn check_stats(op: &'static str, kind: Kind, x: &Tensor, stats: &NormStats, stat_shape: &[usize]) -> Result<()> {
+    check_same_device(op, x, &stats.rstd)?;
+    shapes_f32(op, &stats.rstd, stat_shape)?;
+    match (kind, &stats.mean) {
+        (Kind::Layer, Some(m)) => {
+            check_same_device(op, x, m)?;
+            shapes_f32(op, m, stat_shape)
+        }
+        (Kind::Layer, None) => Err(Error::InvalidArgument { op, message: "layer norm statistics have no mean".into() }),
+        (Kind::Rms, Some(_)) => Err(Error::InvalidArgument { op, message: "RMS norm statistics have no mean".into() }),
+        (Kind::Rms, None) => Ok(()),
+    }
+}
+
+/// Launches `norm_colsum` over `partial[2][chunks][cols]` into the `[cols]` tensors of the
+/// input's dtype that are given: the weight gradient `w`, the bias gradient `b`.
 fn colsums(
-    op: &'static str,
     x: &Tensor,
     partial: &Tensor,
     chunks: u64,
     cols: u64,
-    dw: bool,
-    db: bool,
-) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    w: Option<&mut Tensor>,
+    b: Option<&mut Tensor>,
+) -> Result<()> {
     let dev = x.device();
-    let alloc = |on: bool| on.then(|| Tensor::alloc(op, dev, &[cols as usize], x.dtype())).transpose();
-    let (mut w, mut b) = (alloc(dw)?, alloc(db)?);
     let cfg = crate::device::LaunchConfig {
         grid: (cols.div_ceil(32) as u32, 2, 1),
         block: (32, COLSUM_LANES, 1),
@@ -142,13 +177,12 @@ fn colsums(
     };
     let kernel = kernels_gpu::kernel_name!("norm_colsum", x.dtype());
     with_elem!(x.dtype(), |T| {
-        let ptr = |t: &mut Option<Tensor>| t.as_mut().map_or(std::ptr::null_mut(), |t| t.dev_ptr_mut::<T>());
-        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(&mut w), ptr(&mut b), chunks, cols);
+        let ptr = |t: Option<&mut Tensor>| t.map_or(std::ptr::null_mut(), |t| t.dev_ptr_mut::<T>());
+        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(w), ptr(b), chunks, cols);
         // SAFETY: partial holds 2 * chunks * cols floats (the caller's buffer); the outputs cols
-        // elements each, or are null.
+        // elements each (checked by the caller), or are null.
         unsafe { dev.launch(kernel, cfg, args) }
-    })?;
-    Ok((w, b))
+    })
 }
 
 fn backward(
@@ -160,32 +194,52 @@ fn backward(
     stats: &NormStats,
     grad: &Tensor,
 ) -> Result<NormGrads> {
+    let (_, cols) = rows_of(op, x)?;
+    let dev = x.device();
+    let alloc = |on: bool| on.then(|| Tensor::alloc(op, dev, &[cols as usize], x.dtype())).transpose();
+    let mut grads = NormGrads { x: x.alloc_like(op)?, weight: alloc(weight.is_some())?, bias: alloc(want_bias)? };
+    backward_out(op, kind, x, weight, stats, grad, &mut grads)?;
+    Ok(grads)
+}
+
+/// The backward into `grads`: the weight's gradient is computed if `grads.weight` is given (which
+/// needs the weight), the bias's if `grads.bias` is.
+fn backward_out(
+    op: &'static str,
+    kind: Kind,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grads: &mut NormGrads,
+) -> Result<()> {
     check_param(op, x, weight, "the weight must match the last dimension")?;
     check_same_device(op, x, grad)?;
     check_same_dtype(op, x, grad)?;
     check_same_shape(op, x, grad, "grad must have the input's shape")?;
     let (rows, cols) = rows_of(op, x)?;
     let stat_shape = &x.shape()[..x.shape().len() - 1];
-    shapes_f32(op, &stats.rstd, stat_shape)?;
-    let mean_p: *const f32 = match (kind, &stats.mean) {
-        (Kind::Layer, Some(m)) => {
-            shapes_f32(op, m, stat_shape)?;
-            m.dev_ptr()
-        }
-        (Kind::Layer, None) => {
-            return Err(Error::InvalidArgument { op, message: "layer norm statistics have no mean".into() });
-        }
-        (Kind::Rms, _) => std::ptr::null(),
-    };
+    check_stats(op, kind, x, stats, stat_shape)?;
+    let mean_p: *const f32 = stats.mean.as_ref().map_or(std::ptr::null(), |m| m.dev_ptr());
+    check_same_device(op, x, &grads.x)?;
+    check_same_dtype(op, x, &grads.x)?;
+    check_same_shape(op, x, &grads.x, "the input's gradient must have the input's shape")?;
+    if grads.weight.is_some() && weight.is_none() {
+        return Err(Error::InvalidArgument { op, message: "a weight gradient was asked for without a weight".into() });
+    }
+    check_param(op, x, grads.weight.as_ref(), "the weight's gradient must match the last dimension")?;
+    check_param(op, x, grads.bias.as_ref(), "the bias's gradient must match the last dimension")?;
+    let NormGrads { x: gx, weight: gw, bias: gb } = grads;
     let dev = x.device();
     let dt = x.dtype();
-    let mut gx = x.alloc_like(op)?;
-    let want_params = weight.is_some() || want_bias;
+    let want_params = gw.is_some() || gb.is_some();
     let stem = format!("{}_bwd", kind.stem());
     let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), true)? else {
         // No rows: the parameter gradients are sums over nothing.
-        let zeros = |on: bool| on.then(|| Tensor::zeros(dev, &[cols as usize], dt)).transpose();
-        return Ok(NormGrads { x: gx, weight: zeros(weight.is_some())?, bias: zeros(want_bias)? });
+        for g in [gw, gb].into_iter().flatten() {
+            g.fill_(0.0)?;
+        }
+        return Ok(());
     };
     // The register-resident kernel keeps each group's column sums in shared memory.
     let sums_bytes = if want_params { p.cfg.block.1 as u64 * 2 * padded(cols) as u64 * 4 } else { 0 };
@@ -225,7 +279,7 @@ fn backward(
         unsafe { dev.launch(&p.kernel, cfg, args) }
     })?;
     if !want_params {
-        return Ok(NormGrads { x: gx, weight: None, bias: None });
+        return Ok(());
     }
     if partial.is_none() {
         // Streaming rows: the column sums are a pass of their own.
@@ -241,8 +295,7 @@ fn backward(
         partial = Some((t, chunks as u64));
     }
     let (t, chunks) = partial.as_ref().expect("set above");
-    let (dw, db) = colsums(op, x, t, *chunks, cols, weight.is_some(), want_bias)?;
-    Ok(NormGrads { x: gx, weight: dw, bias: db })
+    colsums(x, t, *chunks, cols, gw.as_mut(), gb.as_mut())
 }
 
 fn shapes_f32(op: &'static str, t: &Tensor, shape: &[usize]) -> Result<()> {
@@ -279,6 +332,56 @@ pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<(Tensor
 /// Gradients of [`rms_norm`]: of `x` and of the weight.
 pub fn rms_norm_backward(x: &Tensor, weight: Option<&Tensor>, stats: &NormStats, grad: &Tensor) -> Result<NormGrads> {
     backward("rms_norm_backward", Kind::Rms, x, weight, false, stats, grad)
+}
+
+/// [`layer_norm`] into `y` (the shape and dtype of `x`) and `stats` (f32, one per row, with a
+/// mean).
+pub fn layer_norm_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+    y: &mut Tensor,
+    stats: &mut NormStats,
+) -> Result<()> {
+    forward_out("layer_norm", Kind::Layer, x, weight, bias, eps, y, stats)
+}
+
+/// [`layer_norm_backward`] into `grads`: the weight's gradient if `grads.weight` is given, the
+/// bias's if `grads.bias` is.
+pub fn layer_norm_backward_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grads: &mut NormGrads,
+) -> Result<()> {
+    backward_out("layer_norm_backward", Kind::Layer, x, weight, stats, grad, grads)
+}
+
+/// [`rms_norm`] into `y` (the shape and dtype of `x`) and `stats` (f32, one per row, no mean).
+pub fn rms_norm_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    eps: f32,
+    y: &mut Tensor,
+    stats: &mut NormStats,
+) -> Result<()> {
+    forward_out("rms_norm", Kind::Rms, x, weight, None, eps, y, stats)
+}
+
+/// [`rms_norm_backward`] into `grads` (the weight's gradient if `grads.weight` is given; no bias).
+pub fn rms_norm_backward_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grads: &mut NormGrads,
+) -> Result<()> {
+    if grads.bias.is_some() {
+        return Err(Error::InvalidArgument { op: "rms_norm_backward", message: "RMS norm has no bias".into() });
+    }
+    backward_out("rms_norm_backward", Kind::Rms, x, weight, stats, grad, grads)
 }
 
 pub(crate) fn launched_kernels() -> Vec<(String, usize)> {

@@ -20,36 +20,51 @@ fn stem(log: bool, dir: &str) -> String {
 }
 
 fn forward(op: &'static str, x: &Tensor, log: bool) -> Result<Tensor> {
-    let (rows, cols) = rows_cols(op, x)?;
     let mut y = x.alloc_like(op)?;
-    let dt = x.dtype();
-    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)? else {
-        return Ok(y);
-    };
-    with_elem!(dt, |T| {
-        let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut(), rows, cols);
-        // SAFETY: x and y hold rows * cols elements of T on this device; the plan picked a
-        // register-resident kernel only for whole-vector rows.
-        unsafe { x.device().launch(&p.kernel, p.cfg, args) }
-    })?;
+    forward_out(op, x, log, &mut y)?;
     Ok(y)
 }
 
+fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Result<()> {
+    check_same_device(op, x, y)?;
+    check_same_dtype(op, x, y)?;
+    check_same_shape(op, x, y, "the output must have the input's shape")?;
+    let (rows, cols) = rows_cols(op, x)?;
+    let dt = x.dtype();
+    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)? else {
+        return Ok(());
+    };
+    with_elem!(dt, |T| {
+        let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut(), rows, cols);
+        // SAFETY: x and y hold rows * cols elements of T on this device (checked above); the
+        // plan picked a register-resident kernel only for whole-vector rows.
+        unsafe { x.device().launch(&p.kernel, p.cfg, args) }
+    })
+}
+
 fn backward(op: &'static str, y: &Tensor, grad: &Tensor, log: bool) -> Result<Tensor> {
+    let mut gx = y.alloc_like(op)?;
+    backward_out(op, y, grad, log, &mut gx)?;
+    Ok(gx)
+}
+
+fn backward_out(op: &'static str, y: &Tensor, grad: &Tensor, log: bool, gx: &mut Tensor) -> Result<()> {
     check_same_device(op, y, grad)?;
     check_same_dtype(op, y, grad)?;
     check_same_shape(op, y, grad, "grad must have the output's shape")?;
+    check_same_device(op, y, gx)?;
+    check_same_dtype(op, y, gx)?;
+    check_same_shape(op, y, gx, "the input's gradient must have the output's shape")?;
     let (rows, cols) = rows_cols(op, y)?;
-    let mut gx = y.alloc_like(op)?;
     let Some(p) = row_plan(y.device(), &stem(log, "bwd"), y.dtype(), rows, cols, BWD_VECTORS, true)? else {
-        return Ok(gx);
+        return Ok(());
     };
     with_elem!(y.dtype(), |T| {
         let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), rows, cols);
-        // SAFETY: all three hold rows * cols elements of T; gx is new, aliasing neither input.
+        // SAFETY: all three hold rows * cols elements of T; gx is borrowed mutably, so it
+        // aliases neither input.
         unsafe { y.device().launch(&p.kernel, p.cfg, args) }
-    })?;
-    Ok(gx)
+    })
 }
 
 /// `softmax(x)` along the last dimension, as `torch.softmax(x, -1)`: numerically stable for
@@ -73,6 +88,26 @@ pub fn softmax_backward(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
 /// `grad - exp(y) * sum(grad)` per row.
 pub fn log_softmax_backward(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
     backward("log_softmax_backward", y, grad, true)
+}
+
+/// [`softmax`] into `y` (the shape and dtype of `x`).
+pub fn softmax_out(x: &Tensor, y: &mut Tensor) -> Result<()> {
+    forward_out("softmax", x, false, y)
+}
+
+/// [`log_softmax`] into `y` (the shape and dtype of `x`).
+pub fn log_softmax_out(x: &Tensor, y: &mut Tensor) -> Result<()> {
+    forward_out("log_softmax", x, true, y)
+}
+
+/// [`softmax_backward`] into `gx` (the shape and dtype of `y`).
+pub fn softmax_backward_out(y: &Tensor, grad: &Tensor, gx: &mut Tensor) -> Result<()> {
+    backward_out("softmax_backward", y, grad, false, gx)
+}
+
+/// [`log_softmax_backward`] into `gx` (the shape and dtype of `y`).
+pub fn log_softmax_backward_out(y: &Tensor, grad: &Tensor, gx: &mut Tensor) -> Result<()> {
+    backward_out("log_softmax_backward", y, grad, true, gx)
 }
 
 pub(crate) fn launched_kernels() -> Vec<(String, usize)> {

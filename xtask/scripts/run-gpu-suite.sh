@@ -5,14 +5,16 @@
 #
 #  1. unless --skip-tests: every test binary (bin/tests/*), tests in parallel, with
 #     KERNELS_REQUIRE_GPU=1 (a missing GPU fails every test instead of skipping it); TEST ARGS
-#     (e.g. a name filter) are passed on;
+#     (e.g. a name filter) are passed on; then, if the bundle has the PyTorch package
+#     (python/), its pytest suite (run-python-tests.sh --tests-only), counted with the others;
 #  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
 #     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
 #     (to RES/torch-NAME.json);
 #     unless --no-anchors, PyTorch's reference figures (the bundle's anchors.py, copied from
 #     shared/, else shared/anchors.py or ../shared/anchors.py,
 #     to RES/anchors.json); then for each bench the bundle's compare.py: `python3 compare.py
-#     RES/bench-NAME.json RES/torch-NAME.json [RES/anchors.json]`.
+#     RES/bench-NAME.json RES/torch-NAME.json [RES/anchors.json]`; and the PyTorch package's
+#     bench.py (run-python-tests.sh --bench-only, to RES/python-bench.json).
 # RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log, anchors.log and
 # compare.log), else the current folder (no logs).
 # The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
@@ -30,7 +32,7 @@ while [ $# -gt 0 ]; do
     --tests-only) TESTS_ONLY=1 ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --no-anchors) ANCHORS_ON=0 ;;
-    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) ARGS+=("$1") ;;
   esac
@@ -38,6 +40,12 @@ while [ $# -gt 0 ]; do
 done
 
 export KERNELS_REQUIRE_GPU=1
+# cuBLAS for the GEMM bench's in-process baseline: the copy in PyTorch's pip wheels
+# (nvidia-cublas-cu12), when there is no system one.
+CUBLAS_DIR="$(python3 -c 'import nvidia.cublas as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)"
+if [ -n "$CUBLAS_DIR" ] && [ -d "$CUBLAS_DIR" ]; then
+  export LD_LIBRARY_PATH="$CUBLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   RES="$OUT"
@@ -91,6 +99,21 @@ for t in "$B"/bin/tests/*; do
   TOTAL_P=$((TOTAL_P + p)); TOTAL_F=$((TOTAL_F + f)); TOTAL_S=$((TOTAL_S + s))
   SUMMARY+=("  $name: $p passed, $f failed, $s skipped in $((SECONDS - start))s$note")
 done
+# The PyTorch package's tests (its script prints `python: N passed, N failed, N skipped` last).
+if [ "$SKIP_TESTS" -eq 0 ] && [ -f "$B/run-python-tests.sh" ]; then
+  echo "== python tests" | tee -a "$LOG"
+  : > "$TMP"
+  start=$SECONDS
+  bash "$B/run-python-tests.sh" --tests-only 2>&1 | tee -a "$LOG" "$TMP"
+  rc=${PIPESTATUS[0]}
+  read -r p f s < <(awk '/^python: [0-9]+ passed/ { p = $2; f = $4; s = $6 } END { printf "%d %d %d\n", p, f, s }' "$TMP")
+  note=""
+  if ! grep -q '^python: [0-9]* passed' "$TMP" || { [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; }; then
+    f=$((f + 1)); note=" (exit status $rc; counted as 1 failure)"
+  fi
+  TOTAL_P=$((TOTAL_P + p)); TOTAL_F=$((TOTAL_F + f)); TOTAL_S=$((TOTAL_S + s))
+  SUMMARY+=("  python (pytest): $p passed, $f failed, $s skipped in $((SECONDS - start))s$note")
+fi
 if [ "$NBIN" -eq 0 ] && [ "$SKIP_TESTS" -eq 0 ]; then
   echo "error: no test binaries under $B/bin/tests" | tee -a "$LOG"
   TOTAL_F=$((TOTAL_F + 1))
@@ -145,6 +168,13 @@ for name in ${BENCH_NAMES[@]+"${BENCH_NAMES[@]}"}; do
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then EXTRA+=("  torch_$name.py: FAILED (exit status $rc; not counted)"); else EXTRA+=("  torch_$name.py: $json"); fi
 done
+
+if [ -f "$B/run-python-tests.sh" ]; then
+  echo "== python bench" | tee -a "$BLOG"
+  bash "$B/run-python-tests.sh" --bench-only 2>&1 | tee -a "$BLOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then EXTRA+=("  python bench: FAILED (exit status $rc; not counted)"); else EXTRA+=("  python bench: $RES/python-bench.json"); fi
+fi
 
 ANCHORS=""
 for c in "$B/anchors.py" shared/anchors.py ../shared/anchors.py; do

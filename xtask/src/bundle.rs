@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 const MARKER: &str = ".kernels-gpu-bundle";
 pub const SUITE_SCRIPT: &str = include_str!("../scripts/run-gpu-suite.sh");
 pub const SANITIZER_SCRIPT: &str = include_str!("../scripts/run-sanitizer.sh");
+pub const PYTHON_SCRIPT: &str = include_str!("../scripts/run-python-tests.sh");
 /// The copy folder handed to the GPU machine may hold 64 MiB in all.
 const MAX_BYTES: u64 = 64 << 20;
 const WARN_BYTES: u64 = 48 << 20;
@@ -50,6 +51,7 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
     println!("building the PTX for sm_90 ...");
     arts.sort_by(|a, b| (a.subdir(), &a.name).cmp(&(b.subdir(), &b.name)));
     let ptx = crate::ptx::build(&root, "sm_90")?;
+    let wheel = python_wheel(&root)?;
 
     // Everything is built: now replace the folder.
     if dir.exists() {
@@ -117,6 +119,9 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
             break;
         }
     }
+    if let Some(wheel) = &wheel {
+        manifest_txt += &python_files(&root, &dir, wheel)?;
+    }
     write_script(&dir.join("run-gpu-suite.sh"), SUITE_SCRIPT)?;
     write_script(&dir.join("run-sanitizer.sh"), SANITIZER_SCRIPT)?;
     manifest_txt += "run-gpu-suite.sh\nrun-sanitizer.sh\n";
@@ -144,6 +149,83 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
         shown.display()
     );
     Ok(())
+}
+
+/// Builds the PyTorch package's wheel (`python/`, release, stripped) with maturin, in its own
+/// target folder; `None`, with a note, when maturin is not installed.
+fn python_wheel(root: &Path) -> Result<Option<PathBuf>, String> {
+    let py = root.join("python");
+    if !py.join("pyproject.toml").is_file() {
+        return Ok(None);
+    }
+    let has = |cmd: &str, args: &[&str]| {
+        Command::new(cmd).args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    let maturin: Vec<&str> = if has("maturin", &["--version"]) {
+        vec!["maturin"]
+    } else if has("python3", &["-m", "maturin", "--version"]) {
+        vec!["python3", "-m", "maturin"]
+    } else {
+        println!("note: no maturin (pip install maturin): the bundle has no Python package");
+        return Ok(None);
+    };
+    let out = py.join("target").join("bundle-wheel");
+    let _ = std::fs::remove_dir_all(&out);
+    println!("{} build --release (python/) ...", maturin.join(" "));
+    let ok = Command::new(maturin[0])
+        .args(&maturin[1..])
+        .args(["build", "--release", "--strip", "--out"])
+        .arg(&out)
+        .current_dir(&py)
+        .env("CARGO_TARGET_DIR", py.join("target"))
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        return Err("maturin build of python/ failed".into());
+    }
+    let rd = std::fs::read_dir(&out).map_err(|e| format!("cannot read {}: {e}", out.display()))?;
+    let wheel = rd.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|x| x == "whl"));
+    wheel.map(Some).ok_or_else(|| format!("maturin wrote no wheel into {}", out.display()))
+}
+
+/// Copies the wheel, the package's tests and its bench script into `dir/python`, and the script
+/// that runs them; returns the manifest lines.
+fn python_files(root: &Path, dir: &Path, wheel: &Path) -> Result<String, String> {
+    let py = dir.join("python");
+    mkdir(&py.join("tests"))?;
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to).map(|_| ()).map_err(|e| format!("cannot copy {}: {e}", from.display()))
+    };
+    let name = wheel.file_name().unwrap_or_default();
+    copy(wheel, &py.join(name))?;
+    let mut lines = format!(
+        "python/{}
+",
+        name.to_string_lossy()
+    );
+    copy(&root.join("python").join("bench.py"), &py.join("bench.py"))?;
+    lines += "python/bench.py
+";
+    let mut tests: Vec<PathBuf> = std::fs::read_dir(root.join("python").join("tests"))
+        .map_err(|e| format!("cannot read python/tests: {e}"))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+        .collect();
+    tests.sort();
+    for t in tests {
+        let name = t.file_name().unwrap_or_default();
+        copy(&t, &py.join("tests").join(name))?;
+        lines += &format!(
+            "python/tests/{}
+",
+            name.to_string_lossy()
+        );
+    }
+    write_script(&dir.join("run-python-tests.sh"), PYTHON_SCRIPT)?;
+    Ok(lines
+        + "run-python-tests.sh
+")
 }
 
 /// Refuses an output folder that exists and holds something other than an earlier bundle.

@@ -1,0 +1,82 @@
+"""kernels_torch: the `kernels` library's Rust-written GPU kernels as PyTorch operators.
+
+The operators (``torch.ops.rustkernels.*``, with autograd and torch.compile support) run on
+PyTorch's own CUDA tensors, on PyTorch's current stream, writing into tensors PyTorch allocated.
+The functions below call them; ``kernels_torch.nn`` has modules that fall back to PyTorch for
+CPU tensors.
+
+    import torch, kernels_torch
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = kernels_torch.gelu(x)                       # torch.ops.rustkernels.gelu
+    y.sum().backward()                              # torch.ops.rustkernels.gelu_backward
+
+Without PyTorch installed only ``cuda_status`` and the native layer (``kernels_torch._native``)
+are available.
+"""
+
+from . import _native
+
+__version__ = "0.1.0"
+
+
+def cuda_status():
+    """``(True, gpu_name)`` if the kernels can run here, else ``(False, reason)``: no driver, no
+    device, or a GPU older than compute capability 8.0."""
+    return _native.cuda_status()
+
+
+def cuda_available():
+    """Whether the kernels can run here."""
+    return _native.cuda_status()[0]
+
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _e:  # the native layer stays usable (CI checks it without PyTorch)
+    _TORCH_ERROR = _e
+
+    def __getattr__(name):
+        raise ImportError(f"kernels_torch.{name} needs PyTorch, which is not installed ({_TORCH_ERROR})")
+
+else:
+    from . import nn
+    from ._ops import (
+        ACTIVATIONS,
+        cross_entropy,
+        gelu,
+        layer_norm,
+        leaky_relu,
+        log_softmax,
+        mish,
+        relu,
+        rms_norm,
+        scale_bias_act,
+        sigmoid,
+        silu,
+        softmax,
+        softplus,
+        swish,
+        tanh,
+    )
+
+    __all__ = [
+        "ACTIVATIONS",
+        "cross_entropy",
+        "cuda_available",
+        "cuda_status",
+        "gelu",
+        "layer_norm",
+        "leaky_relu",
+        "log_softmax",
+        "mish",
+        "nn",
+        "relu",
+        "rms_norm",
+        "scale_bias_act",
+        "sigmoid",
+        "silu",
+        "softmax",
+        "softplus",
+        "swish",
+        "tanh",
+    ]

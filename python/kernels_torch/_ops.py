@@ -1,0 +1,712 @@
+"""The operators: ``torch.library`` custom ops in the ``rustkernels`` namespace, each with a fake
+(meta) implementation and, for the forward ops, a registered autograd formula whose backward is
+itself a custom op, so that they work in eager mode, under ``torch.compile(fullgraph=True)`` and
+with ``torch.library.opcheck``.
+
+How a call runs: the op checks its tensors (CUDA, one device, f32/f16/bf16, one dtype), makes
+inputs contiguous and 16-byte aligned (a copy only for a non-contiguous or misaligned view: the
+kernels load 16-byte vectors from the first element), allocates every output with PyTorch's
+allocator (``torch.empty``), and hands the raw addresses and PyTorch's current stream to
+``_native``, which runs the kernel on that stream (``kernels::Device::with_stream``). Nothing is
+synchronised, except by the cross-entropy, which reads back whether a target was out of range.
+"""
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+NS = "rustkernels"
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_ALIGN = int(_native.ALIGNMENT)
+
+# Activation name -> (code in _native, parameter names with PyTorch's defaults).
+ACTIVATIONS = {
+    "identity": (0, ()),
+    "relu": (1, ()),
+    "leaky_relu": (2, (("negative_slope", 0.01),)),
+    "sigmoid": (3, ()),
+    "tanh": (4, ()),
+    "gelu": (5, ()),
+    "gelu_tanh": (6, ()),
+    "silu": (7, ()),
+    "mish": (8, ()),
+    "softplus": (9, (("beta", 1.0), ("threshold", 20.0))),
+}
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+try:  # the raw handle without building a torch.cuda.Stream object (what Inductor calls)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older or CPU-only builds
+
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def cuda_status() -> tuple[bool, str]:
+    """``(True, gpu_name)`` if the kernels can run here, else ``(False, reason)``."""
+    return _native.cuda_status()
+
+
+def cuda_available() -> bool:
+    """Whether the kernels can run here (an NVIDIA driver and a GPU of compute capability 8.0+)."""
+    return _native.cuda_status()[0]
+
+
+def _cuda_note() -> str:
+    ok, why = _native.cuda_status()
+    return "" if ok else f" (and CUDA is unavailable here: {why})"
+
+
+def _check(op: str, name: str, t: Tensor, like: Optional[Tensor] = None, dtype=None) -> Tensor:
+    """``t`` as the kernels need it: a CUDA tensor of a supported dtype, on ``like``'s device
+    and of its dtype (or of ``dtype``), contiguous and 16-byte aligned (copied if it is not)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{NS}::{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(
+            f"{NS}::{op}: {name} is on {t.device}; the kernels run on CUDA tensors only "
+            f"(kernels_torch.nn's modules fall back to PyTorch for CPU tensors){_cuda_note()}"
+        )
+    want = dtype if dtype is not None else (like.dtype if like is not None else None)
+    if want is None and t.dtype not in _DTYPE_CODES:
+        raise TypeError(f"{NS}::{op}: {name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    if want is not None and t.dtype != want:
+        raise TypeError(f"{NS}::{op}: {name} has dtype {t.dtype} but must be {want}")
+    if like is not None and t.device != like.device:
+        raise ValueError(f"{NS}::{op}: {name} is on {t.device} but the input is on {like.device}")
+    if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _where(x: Tensor) -> tuple[int, int, int]:
+    """The device index, PyTorch's current stream on it, and the dtype code."""
+    i = x.device.index
+    return i, _raw_stream(i), _DTYPE_CODES[x.dtype]
+
+
+def _new(shape, like: Tensor, dtype=None) -> Tensor:
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+# --- the two call paths -------------------------------------------------------------------------
+#
+# Every operator is a torch.library custom op (what torch.compile, opcheck and tracing see). Its
+# dispatch, though, costs some 15 microseconds of host time per call on top of the native call's
+# 4 (the custom op's Python autograd wrapper and the dispatcher, twice per call with its backward),
+# which dominates small tensors. So the functions below run eager calls on plain CUDA tensors
+# through one torch.autograd.Function calling the same implementations and the same autograd
+# formulas directly, and everything else (compiling, tracing, tensor subclasses, functorch
+# transforms) through the custom op.
+
+_IMPL = {}  # op name -> its implementation (the function the custom op wraps)
+_AUTOGRAD = {}  # op name -> (setup_context, backward) registered for it
+
+
+def _custom_op(name: str, schema: Optional[str] = None):
+    def wrap(fn):
+        _IMPL[name] = fn
+        return torch.library.custom_op(f"{NS}::{name}", fn, mutates_args=(), schema=schema)
+
+    return wrap
+
+
+def _autograd(opdef, name: str, backward, setup) -> None:
+    _AUTOGRAD[name] = (setup, backward)
+    opdef.register_autograd(backward, setup_context=setup)
+
+
+def _op(name: str):
+    return getattr(getattr(torch.ops, NS), name)
+
+
+def _bwd(ctx, name: str):
+    """The backward op: its implementation itself on the eager path, else the custom op."""
+    return _IMPL[name] if getattr(ctx, "eager", False) else _op(name)
+
+
+class _Eager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *inputs):
+        out = _IMPL[name](*inputs)
+        ctx.eager, ctx.name = True, name
+        _AUTOGRAD[name][0](ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = _AUTOGRAD[ctx.name][1](ctx, *grads)
+        return (None,) + (tuple(g) if isinstance(g, tuple) else (g,))
+
+
+def _call(name: str, x, *args):
+    if type(x) is Tensor and x.is_cuda and not torch.compiler.is_compiling() and not _functorch_active():
+        return _Eager.apply(name, x, *args)
+    return _op(name)(x, *args)
+
+
+def _functorch_active() -> bool:
+    f = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(f and f())
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+
+def _act_params(params: Sequence[float]) -> tuple[float, float]:
+    p = tuple(float(v) for v in params) + (0.0, 0.0)
+    return p[0], p[1]
+
+
+def _define_activation(name: str, code: int, params: tuple) -> None:
+    sig = "".join(f", float {p}={d}" for p, d in params)
+    nparams = len(params)
+
+    def fwd_impl(x: Tensor, *p: float) -> Tensor:
+        x = _check(name, "x", x)
+        y = torch.empty_like(x)
+        dev, stream, dt = _where(x)
+        a, b = _act_params(p)
+        _native.activation_fwd(dev, stream, dt, code, a, b, x.data_ptr(), y.data_ptr(), x.numel())
+        return y
+
+    def bwd_impl(x: Tensor, grad: Tensor, *p: float) -> Tensor:
+        x = _check(f"{name}_backward", "x", x)
+        grad = _check(f"{name}_backward", "grad", grad, like=x)
+        if grad.shape != x.shape:
+            raise ValueError(f"{NS}::{name}_backward: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
+        gx = torch.empty_like(x)
+        dev, stream, dt = _where(x)
+        a, b = _act_params(p)
+        _native.activation_bwd(dev, stream, dt, code, a, b, x.data_ptr(), grad.data_ptr(), gx.data_ptr(), x.numel())
+        return gx
+
+    fwd = _custom_op(name, f"(Tensor x{sig}) -> Tensor")(fwd_impl)
+    bwd = _custom_op(f"{name}_backward", f"(Tensor x, Tensor grad{sig}) -> Tensor")(bwd_impl)
+
+    @fwd.register_fake
+    def _(x, *p):
+        return x.new_empty(x.shape)
+
+    @bwd.register_fake
+    def _(x, grad, *p):
+        return x.new_empty(x.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.params = inputs[1:]
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (_bwd(ctx, f"{name}_backward")(x, grad, *ctx.params),) + (None,) * nparams
+
+    _autograd(fwd, name, backward, setup_context)
+
+
+for _name, (_code, _params) in ACTIVATIONS.items():
+    if _name != "identity":
+        _define_activation(_name, _code, _params)
+
+
+def relu(x: Tensor) -> Tensor:
+    return _call("relu", x)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
+    return _call("leaky_relu", x, negative_slope)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return _call("sigmoid", x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return _call("tanh", x)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU as ``F.gelu``: the erf form, or the tanh approximation with ``approximate="tanh"``."""
+    if approximate == "none":
+        return _call("gelu", x)
+    if approximate == "tanh":
+        return _call("gelu_tanh", x)
+    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def silu(x: Tensor) -> Tensor:
+    """SiLU, also called Swish: ``x * sigmoid(x)``."""
+    return _call("silu", x)
+
+
+swish = silu
+
+
+def mish(x: Tensor) -> Tensor:
+    return _call("mish", x)
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    return _call("softplus", x, beta, threshold)
+
+
+# --- act(x * scale + bias) ----------------------------------------------------------------------
+
+
+def _activation(op: str, act: str, a: float, b: float) -> tuple[int, float, float]:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{NS}::{op}: unknown activation {act!r}; known: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act][0], float(a), float(b)
+
+
+def _rows_cols(op: str, x: Tensor) -> tuple[int, int]:
+    if x.dim() == 0:
+        raise ValueError(f"{NS}::{op}: needs a tensor with at least one dimension, got a scalar")
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols
+
+
+def _check_row(op: str, name: str, p: Tensor, x: Tensor) -> Tensor:
+    p = _check(op, name, p, like=x)
+    if tuple(p.shape) != (x.shape[-1],):
+        raise ValueError(f"{NS}::{op}: {name} has shape {tuple(p.shape)}; it must be [{x.shape[-1]}] (x's last dimension)")
+    return p
+
+
+@_custom_op("scale_bias_act")
+def scale_bias_act_op(x: Tensor, scale: Tensor, bias: Tensor, act: str, a: float, b: float) -> Tensor:
+    op = "scale_bias_act"
+    code, a, b = _activation(op, act, a, b)
+    x = _check(op, "x", x)
+    scale, bias = _check_row(op, "scale", scale, x), _check_row(op, "bias", bias, x)
+    rows, cols = _rows_cols(op, x)
+    y = torch.empty_like(x)
+    dev, stream, dt = _where(x)
+    _native.scale_bias_act_fwd(
+        dev, stream, dt, code, a, b, x.data_ptr(), scale.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, cols
+    )
+    return y
+
+
+@scale_bias_act_op.register_fake
+def _(x, scale, bias, act, a, b):
+    return x.new_empty(x.shape)
+
+
+@_custom_op("scale_bias_act_backward")
+def scale_bias_act_backward_op(
+    x: Tensor, scale: Tensor, bias: Tensor, grad: Tensor, act: str, a: float, b: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    op = "scale_bias_act_backward"
+    code, a, b = _activation(op, act, a, b)
+    x = _check(op, "x", x)
+    scale, bias = _check_row(op, "scale", scale, x), _check_row(op, "bias", bias, x)
+    grad = _check(op, "grad", grad, like=x)
+    if grad.shape != x.shape:
+        raise ValueError(f"{NS}::{op}: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
+    rows, cols = _rows_cols(op, x)
+    gx, gs, gb = torch.empty_like(x), torch.empty_like(scale), torch.empty_like(bias)
+    dev, stream, dt = _where(x)
+    _native.scale_bias_act_bwd(
+        dev, stream, dt, code, a, b, x.data_ptr(), scale.data_ptr(), bias.data_ptr(), grad.data_ptr(),
+        gx.data_ptr(), gs.data_ptr(), gb.data_ptr(), rows, cols,
+    )  # fmt: skip
+    return gx, gs, gb
+
+
+@scale_bias_act_backward_op.register_fake
+def _(x, scale, bias, grad, act, a, b):
+    return x.new_empty(x.shape), scale.new_empty(scale.shape), bias.new_empty(bias.shape)
+
+
+def _sba_setup(ctx, inputs, output):
+    x, scale, bias, act, a, b = inputs
+    ctx.save_for_backward(x, scale, bias)
+    ctx.act = (act, a, b)
+
+
+def _sba_backward(ctx, grad):
+    x, scale, bias = ctx.saved_tensors
+    gx, gs, gb = _bwd(ctx, "scale_bias_act_backward")(x, scale, bias, grad, *ctx.act)
+    return gx, gs, gb, None, None, None
+
+
+_autograd(scale_bias_act_op, "scale_bias_act", _sba_backward, _sba_setup)
+
+
+def scale_bias_act(x: Tensor, scale: Tensor, bias: Tensor, activation: str = "gelu", *params: float) -> Tensor:
+    """``act(x * scale + bias)`` in one kernel, ``scale`` and ``bias`` of shape ``[x.shape[-1]]``;
+    ``params`` are the activation's (``negative_slope``; ``beta, threshold``), PyTorch's defaults
+    if omitted. Backward: the gradients of x, scale and bias in one pass plus a column sum."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"scale_bias_act: unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    defaults = [d for _, d in ACTIVATIONS[activation][1]]
+    p = list(params) + defaults[len(params) :]
+    a, b = _act_params(p)
+    return _call("scale_bias_act", x, scale, bias, activation, a, b)
+
+
+# --- softmax ------------------------------------------------------------------------------------
+
+
+def _define_softmax(name: str, log: bool) -> None:
+    def fwd_impl(x: Tensor) -> Tensor:
+        x = _check(name, "x", x)
+        rows, cols = _rows_cols(name, x)
+        y = torch.empty_like(x)
+        dev, stream, dt = _where(x)
+        _native.softmax_fwd(dev, stream, dt, log, x.data_ptr(), y.data_ptr(), rows, cols)
+        return y
+
+    def bwd_impl(y: Tensor, grad: Tensor) -> Tensor:
+        op = f"{name}_backward"
+        y = _check(op, "y", y)
+        grad = _check(op, "grad", grad, like=y)
+        if grad.shape != y.shape:
+            raise ValueError(f"{NS}::{op}: grad has shape {tuple(grad.shape)}, the output {tuple(y.shape)}")
+        rows, cols = _rows_cols(op, y)
+        gx = torch.empty_like(y)
+        dev, stream, dt = _where(y)
+        _native.softmax_bwd(dev, stream, dt, log, y.data_ptr(), grad.data_ptr(), gx.data_ptr(), rows, cols)
+        return gx
+
+    fwd = _custom_op(name, "(Tensor x) -> Tensor")(fwd_impl)
+    bwd = _custom_op(f"{name}_backward", "(Tensor y, Tensor grad) -> Tensor")(bwd_impl)
+    fwd.register_fake(lambda x: x.new_empty(x.shape))
+    bwd.register_fake(lambda y, grad: y.new_empty(y.shape))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return _bwd(ctx, f"{name}_backward")(y, grad)
+
+    _autograd(fwd, name, backward, setup_context)
+
+
+_define_softmax("softmax", False)
+_define_softmax("log_softmax", True)
+
+
+def _last_dim(f, x: Tensor, dim: int) -> Tensor:
+    d = dim % x.dim() if x.dim() else 0
+    if d == x.dim() - 1 or x.dim() == 0:
+        return f(x)
+    # The kernels work along the last dimension: move `dim` there (the op copies the view).
+    return f(x.movedim(d, -1)).movedim(-1, d)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``torch.softmax(x, dim)``; along a dimension other than the last, through a copy."""
+    return _last_dim(lambda t: _call("softmax", t), x, dim)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``torch.log_softmax(x, dim)``; along a dimension other than the last, through a copy."""
+    return _last_dim(lambda t: _call("log_softmax", t), x, dim)
+
+
+# --- layer norm, RMS norm -----------------------------------------------------------------------
+
+
+def _norm_shape(op: str, x: Tensor, normalized_shape: Sequence[int]) -> tuple[int, int, list[int]]:
+    ns = [int(n) for n in normalized_shape]
+    k = len(ns)
+    if k == 0 or list(x.shape[x.dim() - k :]) != ns or x.dim() < k:
+        raise ValueError(f"{NS}::{op}: normalized_shape {ns} must be the last dimensions of x, shape {list(x.shape)}")
+    cols = math.prod(ns)
+    if cols == 0:
+        raise ValueError(f"{NS}::{op}: cannot normalise rows of length 0 (normalized_shape {ns})")
+    return x.numel() // cols, cols, list(x.shape[: x.dim() - k])
+
+
+def _check_param(op: str, name: str, p: Optional[Tensor], x: Tensor, ns: Sequence[int]) -> Optional[Tensor]:
+    if p is None:
+        return None
+    p = _check(op, name, p, like=x)
+    if list(p.shape) != list(ns):
+        raise ValueError(f"{NS}::{op}: {name} has shape {list(p.shape)}; it must be normalized_shape {list(ns)}")
+    return p
+
+
+def _ptr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+@_custom_op("layer_norm")
+def layer_norm_op(
+    x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    op = "layer_norm"
+    x = _check(op, "x", x)
+    rows, cols, lead = _norm_shape(op, x, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    bias = _check_param(op, "bias", bias, x, normalized_shape)
+    y = torch.empty_like(x)
+    mean, rstd = _new(lead, x, torch.float32), _new(lead, x, torch.float32)
+    dev, stream, dt = _where(x)
+    _native.norm_fwd(
+        dev, stream, dt, x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+        rows, cols, float(eps),
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    lead = list(x.shape[: x.dim() - len(normalized_shape)])
+    return x.new_empty(x.shape), x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.float32)
+
+
+@_custom_op("layer_norm_backward")
+def layer_norm_backward_op(
+    x: Tensor,
+    normalized_shape: list[int],
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    grad: Tensor,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of x, weight and bias; a gradient not asked for is an empty tensor."""
+    op = "layer_norm_backward"
+    x = _check(op, "x", x)
+    rows, cols, lead = _norm_shape(op, x, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    mean = _check(op, "mean", mean, like=x, dtype=torch.float32)
+    rstd = _check(op, "rstd", rstd, like=x, dtype=torch.float32)
+    grad = _check(op, "grad", grad, like=x)
+    if grad.shape != x.shape or list(mean.shape) != lead or list(rstd.shape) != lead:
+        raise ValueError(f"{NS}::{op}: grad must have x's shape and the statistics {lead}")
+    if weight_grad and weight is None:
+        raise ValueError(f"{NS}::{op}: a weight gradient needs the weight")
+    gx = torch.empty_like(x)
+    gw = _new(normalized_shape if weight_grad else [0], x)
+    gb = _new(normalized_shape if bias_grad else [0], x)
+    dev, stream, dt = _where(x)
+    _native.norm_bwd(
+        dev, stream, dt, x.data_ptr(), _ptr(weight), mean.data_ptr(), rstd.data_ptr(), grad.data_ptr(),
+        gx.data_ptr(), gw.data_ptr() if weight_grad else 0, gb.data_ptr() if bias_grad else 0, rows, cols,
+    )  # fmt: skip
+    return gx, gw, gb
+
+
+@layer_norm_backward_op.register_fake
+def _(x, normalized_shape, weight, mean, rstd, grad, weight_grad, bias_grad):
+    ns = list(normalized_shape)
+    return x.new_empty(x.shape), x.new_empty(ns if weight_grad else [0]), x.new_empty(ns if bias_grad else [0])
+
+
+def _ln_setup(ctx, inputs, output):
+    x, ns, weight, bias, eps = inputs
+    y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.ns = ns
+    ctx.want = (weight is not None and weight.requires_grad, bias is not None and bias.requires_grad)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _ln_backward(ctx, grad, _gmean, _grstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    wg, bg = ctx.want
+    gx, gw, gb = _bwd(ctx, "layer_norm_backward")(x, ctx.ns, weight, mean, rstd, grad, wg, bg)
+    return gx, None, (gw if wg else None), (gb if bg else None), None
+
+
+_autograd(layer_norm_op, "layer_norm", _ln_backward, _ln_setup)
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.layer_norm`` over the trailing ``normalized_shape`` (biased variance, f32 statistics)."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    return _call("layer_norm", x, list(normalized_shape), weight, bias, eps)[0]
+
+
+@_custom_op("rms_norm")
+def rms_norm_op(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    op = "rms_norm"
+    x = _check(op, "x", x)
+    rows, cols, lead = _norm_shape(op, x, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    y = torch.empty_like(x)
+    rstd = _new(lead, x, torch.float32)
+    dev, stream, dt = _where(x)
+    _native.norm_fwd(
+        dev, stream, dt, x.data_ptr(), _ptr(weight), 0, y.data_ptr(), 0, rstd.data_ptr(), rows, cols, float(eps)
+    )
+    return y, rstd
+
+
+@rms_norm_op.register_fake
+def _(x, normalized_shape, weight, eps):
+    lead = list(x.shape[: x.dim() - len(normalized_shape)])
+    return x.new_empty(x.shape), x.new_empty(lead, dtype=torch.float32)
+
+
+@_custom_op("rms_norm_backward")
+def rms_norm_backward_op(
+    x: Tensor, normalized_shape: list[int], weight: Optional[Tensor], rstd: Tensor, grad: Tensor, weight_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """Gradients of x and weight; the weight's is an empty tensor if not asked for."""
+    op = "rms_norm_backward"
+    x = _check(op, "x", x)
+    rows, cols, lead = _norm_shape(op, x, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    rstd = _check(op, "rstd", rstd, like=x, dtype=torch.float32)
+    grad = _check(op, "grad", grad, like=x)
+    if grad.shape != x.shape or list(rstd.shape) != lead:
+        raise ValueError(f"{NS}::{op}: grad must have x's shape and rstd {lead}")
+    if weight_grad and weight is None:
+        raise ValueError(f"{NS}::{op}: a weight gradient needs the weight")
+    gx = torch.empty_like(x)
+    gw = _new(normalized_shape if weight_grad else [0], x)
+    dev, stream, dt = _where(x)
+    _native.norm_bwd(
+        dev, stream, dt, x.data_ptr(), _ptr(weight), 0, rstd.data_ptr(), grad.data_ptr(), gx.data_ptr(),
+        gw.data_ptr() if weight_grad else 0, 0, rows, cols,
+    )  # fmt: skip
+    return gx, gw
+
+
+@rms_norm_backward_op.register_fake
+def _(x, normalized_shape, weight, rstd, grad, weight_grad):
+    return x.new_empty(x.shape), x.new_empty(list(normalized_shape) if weight_grad else [0])
+
+
+def _rms_setup(ctx, inputs, output):
+    x, ns, weight, eps = inputs
+    y, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.ns = ns
+    ctx.wg = weight is not None and weight.requires_grad
+    ctx.mark_non_differentiable(rstd)
+
+
+def _rms_backward(ctx, grad, _grstd):
+    x, weight, rstd = ctx.saved_tensors
+    gx, gw = _bwd(ctx, "rms_norm_backward")(x, ctx.ns, weight, rstd, grad, ctx.wg)
+    return gx, None, (gw if ctx.wg else None), None
+
+
+_autograd(rms_norm_op, "rms_norm", _rms_backward, _rms_setup)
+
+
+def rms_norm(
+    x: Tensor, normalized_shape: Sequence[int], weight: Optional[Tensor] = None, eps: Optional[float] = None
+) -> Tensor:
+    """``F.rms_norm``: ``x / sqrt(mean(x^2) + eps) * weight``; ``eps=None`` is PyTorch's default,
+    ``torch.finfo(x.dtype).eps``."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _call("rms_norm", x, list(normalized_shape), weight, eps)[0]
+
+
+# --- cross-entropy ------------------------------------------------------------------------------
+
+
+def _ce_check(op: str, logits: Tensor, target: Tensor, reduction: str) -> tuple[Tensor, Tensor, int, int, int]:
+    logits = _check(op, "logits", logits)
+    target = _check(op, "target", target, like=logits, dtype=torch.int64)
+    if logits.dim() != 2 or tuple(target.shape) != (logits.shape[0],):
+        raise ValueError(
+            f"{NS}::{op}: logits must be [N, C] and target [N] (class indices), got {list(logits.shape)} "
+            f"and {list(target.shape)}"
+        )
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{NS}::{op}: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    return logits, target, logits.shape[0], logits.shape[1], _REDUCTIONS[reduction]
+
+
+@_custom_op("cross_entropy")
+def cross_entropy_op(
+    logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    op = "cross_entropy"
+    logits, target, n, c, red = _ce_check(op, logits, target, reduction)
+    loss = _new([n] if red == 0 else [], logits)
+    lse, count = _new([n], logits, torch.float32), _new([1], logits, torch.float32)
+    dev, stream, dt = _where(logits)
+    _native.cross_entropy_fwd(
+        dev, stream, dt, logits.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(), count.data_ptr(),
+        n, c, red, int(ignore_index), float(label_smoothing),
+    )  # fmt: skip
+    return loss, lse, count
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, reduction, ignore_index, label_smoothing):
+    n = logits.shape[0]
+    loss = logits.new_empty([n] if reduction == "none" else [])
+    return loss, logits.new_empty([n], dtype=torch.float32), logits.new_empty([1], dtype=torch.float32)
+
+
+@_custom_op("cross_entropy_backward")
+def cross_entropy_backward_op(
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    count: Tensor,
+    grad: Tensor,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+) -> Tensor:
+    op = "cross_entropy_backward"
+    logits, target, n, c, red = _ce_check(op, logits, target, reduction)
+    lse = _check(op, "lse", lse, like=logits, dtype=torch.float32)
+    count = _check(op, "count", count, like=logits, dtype=torch.float32)
+    grad = _check(op, "grad", grad, like=logits)
+    gx = torch.empty_like(logits)
+    dev, stream, dt = _where(logits)
+    _native.cross_entropy_bwd(
+        dev, stream, dt, logits.data_ptr(), target.data_ptr(), lse.data_ptr(), count.data_ptr(), grad.data_ptr(),
+        gx.data_ptr(), n, c, red, int(ignore_index), float(label_smoothing),
+    )  # fmt: skip
+    return gx
+
+
+@cross_entropy_backward_op.register_fake
+def _(logits, target, lse, count, grad, reduction, ignore_index, label_smoothing):
+    return logits.new_empty(logits.shape)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, reduction, ignore_index, label_smoothing = inputs
+    loss, lse, count = output
+    ctx.save_for_backward(logits, target, lse, count)
+    ctx.opts = (reduction, ignore_index, label_smoothing)
+    ctx.mark_non_differentiable(lse, count)
+
+
+def _ce_backward(ctx, grad, _glse, _gcount):
+    logits, target, lse, count = ctx.saved_tensors
+    gx = _bwd(ctx, "cross_entropy_backward")(logits, target, lse, count, grad, *ctx.opts)
+    return gx, None, None, None, None
+
+
+_autograd(cross_entropy_op, "cross_entropy", _ce_backward, _ce_setup)
+
+
+def cross_entropy(
+    input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+) -> Tensor:
+    """``F.cross_entropy`` of logits ``[N, C]`` against int64 class indices ``[N]``, fused with the
+    log-softmax; no class weights. An out-of-range target (not ``ignore_index``) is a ValueError
+    naming its row, which costs a synchronisation with the GPU per call."""
+    return _call("cross_entropy", input, target, reduction, ignore_index, label_smoothing)[0]

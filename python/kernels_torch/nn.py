@@ -1,0 +1,211 @@
+"""``torch.nn`` modules running the kernels on CUDA tensors of f32, f16 and bf16, and PyTorch's own
+implementation otherwise (CPU tensors, float64, and the cases listed per module).
+
+Most are subclasses of the PyTorch module they replace (same constructor, parameters and
+``state_dict``), so a model switches with a changed import. ``FusedBiasAct`` is new:
+``act(x * scale + bias)`` in one kernel.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _ops
+from ._ops import _DTYPE_CODES
+
+__all__ = [
+    "CrossEntropyLoss",
+    "FusedBiasAct",
+    "GELU",
+    "LayerNorm",
+    "LeakyReLU",
+    "LogSoftmax",
+    "Mish",
+    "RMSNorm",
+    "ReLU",
+    "SiLU",
+    "Sigmoid",
+    "Softmax",
+    "Softplus",
+    "Swish",
+    "Tanh",
+]
+
+
+def _ours(*ts: Optional[Tensor]) -> bool:
+    """Whether the kernels take these tensors: all on one CUDA device, of one supported dtype
+    (None entries are absent parameters)."""
+    first = ts[0]
+    if not (first.is_cuda and first.dtype in _DTYPE_CODES):
+        return False
+    return all(t is None or (t.device == first.device and t.dtype == first.dtype) for t in ts[1:])
+
+
+class ReLU(torch.nn.ReLU):
+    """``torch.nn.ReLU``; ``inplace=True`` runs PyTorch's in-place op."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.relu(x) if _ours(x) and not self.inplace else super().forward(x)
+
+
+class LeakyReLU(torch.nn.LeakyReLU):
+    """``torch.nn.LeakyReLU``; ``inplace=True`` runs PyTorch's in-place op."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _ours(x) and not self.inplace:
+            return _ops.leaky_relu(x, self.negative_slope)
+        return super().forward(x)
+
+
+class Sigmoid(torch.nn.Sigmoid):
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.sigmoid(x) if _ours(x) else super().forward(x)
+
+
+class Tanh(torch.nn.Tanh):
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.tanh(x) if _ours(x) else super().forward(x)
+
+
+class GELU(torch.nn.GELU):
+    """``torch.nn.GELU(approximate="none" | "tanh")``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.gelu(x, self.approximate) if _ours(x) else super().forward(x)
+
+
+class SiLU(torch.nn.SiLU):
+    """``torch.nn.SiLU`` (Swish); ``inplace=True`` runs PyTorch's in-place op."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.silu(x) if _ours(x) and not self.inplace else super().forward(x)
+
+
+Swish = SiLU
+
+
+class Mish(torch.nn.Mish):
+    """``torch.nn.Mish``; ``inplace=True`` runs PyTorch's in-place op."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.mish(x) if _ours(x) and not self.inplace else super().forward(x)
+
+
+class Softplus(torch.nn.Softplus):
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.softplus(x, self.beta, self.threshold) if _ours(x) else super().forward(x)
+
+
+def _torch_activation(x: Tensor, act: str, a: float, b: float) -> Tensor:
+    """PyTorch's own version of each activation of ``_ops.ACTIVATIONS``."""
+    if act == "identity":
+        return x
+    if act == "leaky_relu":
+        return F.leaky_relu(x, a)
+    if act == "softplus":
+        return F.softplus(x, a, b)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return {"relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu, "silu": F.silu,
+            "mish": F.mish}[act](x)  # fmt: skip
+
+
+class FusedBiasAct(torch.nn.Module):
+    """``act(x * scale + bias)`` over the last dimension (``features``), in one kernel forward and
+    one pass plus a column sum backward, where PyTorch runs three kernels each way.
+
+    ``bias`` is a parameter (zeros at first); ``scale`` too if ``scale=True`` (ones at first),
+    else a constant 1. ``activation`` is a name of ``kernels_torch.ACTIVATIONS``; ``params`` its
+    parameters (``negative_slope``; ``beta, threshold``), PyTorch's defaults if omitted.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        activation: str = "gelu",
+        *params: float,
+        scale: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if activation not in _ops.ACTIVATIONS:
+            raise ValueError(f"FusedBiasAct: unknown activation {activation!r}; known: {', '.join(_ops.ACTIVATIONS)}")
+        defaults = [d for _, d in _ops.ACTIVATIONS[activation][1]]
+        if len(params) > len(defaults):
+            raise ValueError(f"FusedBiasAct: {activation} takes {len(defaults)} parameters, got {len(params)}")
+        self.features = features
+        self.activation = activation
+        self.params = tuple(float(p) for p in params) + tuple(defaults[len(params) :])
+        kw = {"device": device, "dtype": dtype}
+        self.bias = torch.nn.Parameter(torch.zeros(features, **kw))
+        if scale:
+            self.scale = torch.nn.Parameter(torch.ones(features, **kw))
+        else:
+            self.register_buffer("scale", torch.ones(features, **kw), persistent=False)
+
+    def extra_repr(self) -> str:
+        p = f", params={self.params}" if self.params else ""
+        return f"{self.features}, activation={self.activation!r}{p}, scale={isinstance(self.scale, torch.nn.Parameter)}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _ours(x, self.scale, self.bias):
+            return _ops.scale_bias_act(x, self.scale, self.bias, self.activation, *self.params)
+        a, b = _ops._act_params(self.params)
+        return _torch_activation(x * self.scale + self.bias, self.activation, a, b)
+
+
+class Softmax(torch.nn.Softmax):
+    """``torch.nn.Softmax(dim)``; along a dimension other than the last, through a copy;
+    ``dim=None`` (PyTorch's legacy implicit choice) runs PyTorch's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.softmax(x, self.dim) if self.dim is not None and _ours(x) else super().forward(x)
+
+
+class LogSoftmax(torch.nn.LogSoftmax):
+    """``torch.nn.LogSoftmax(dim)``, as ``Softmax``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ops.log_softmax(x, self.dim) if self.dim is not None and _ours(x) else super().forward(x)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm``; PyTorch's when the parameters' dtype or device differ from the
+    input's (e.g. f32 parameters with a bf16 input under autocast)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _ours(x, self.weight, self.bias):
+            return _ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
+if hasattr(torch.nn, "RMSNorm"):  # PyTorch 2.4+
+
+    class RMSNorm(torch.nn.RMSNorm):
+        """``torch.nn.RMSNorm``; PyTorch's when the weight's dtype or device differ from the
+        input's."""
+
+        def forward(self, x: Tensor) -> Tensor:
+            if _ours(x, self.weight):
+                return _ops.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+            return super().forward(x)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` for logits ``[N, C]`` and int64 class indices ``[N]``; PyTorch's
+    for class weights, class-probability targets and other shapes."""
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        if (
+            self.weight is None
+            and _ours(input)
+            and input.dim() == 2
+            and target.dtype == torch.int64
+            and target.dim() == 1
+            and target.device == input.device
+        ):
+            return _ops.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
+        return super().forward(input, target)

@@ -1,0 +1,480 @@
+//! `kernels_torch._native`: the `kernels` library's ops on memory and streams owned by PyTorch.
+//!
+//! Each function takes raw device addresses (`tensor.data_ptr()`), sizes, a dtype code, the CUDA
+//! device index and the raw handle of PyTorch's current stream, and runs one op with the
+//! library's interop (`kernels::interop`): every tensor is borrowed (PyTorch allocated all of
+//! them, outputs and saved statistics included), and the work goes to PyTorch's stream inside
+//! `Device::with_stream`, where the temporaries some ops need are allocated stream-ordered on
+//! that stream rather than from the library's single-stream cache.
+//!
+//! The Python layer (`kernels_torch/_ops.py`) is what users call: it checks devices, dtypes and
+//! layouts, makes inputs contiguous and 16-byte aligned, allocates the outputs with PyTorch and
+//! passes only tensors that satisfy the contracts below. This layer re-checks what it can
+//! (alignment, shapes against the op's own checks) and turns every library error into a Python
+//! exception naming the op.
+
+use kernels::ops::{self, Activation, CrossEntropyOpts, NormGrads, NormStats, Reduction, ScaleBiasActGrads};
+use kernels::{DType, Device, Error, IndexTensor, Tensor};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::sync::OnceLock;
+
+/// Devices by ordinal, so that a call costs no lock (`Device::cuda` takes one).
+static DEVICES: [OnceLock<Device>; 64] = [const { OnceLock::new() }; 64];
+
+fn device(ordinal: usize) -> kernels::Result<Device> {
+    let Some(slot) = DEVICES.get(ordinal) else {
+        return Device::cuda(ordinal);
+    };
+    if let Some(d) = slot.get() {
+        return Ok(d.clone());
+    }
+    let d = Device::cuda(ordinal)?;
+    Ok(slot.get_or_init(|| d).clone())
+}
+
+/// Library errors as Python exceptions: a bad argument is a `ValueError`, a dtype mismatch a
+/// `TypeError`, no driver or device, a kernel fault and other driver errors `RuntimeError`.
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::ShapeMismatch { .. } | Error::DeviceMismatch { .. } | Error::InvalidArgument { .. } => {
+            PyValueError::new_err(msg)
+        }
+        Error::DTypeMismatch { .. } => PyTypeError::new_err(msg),
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn dtype(code: u8) -> PyResult<DType> {
+    match code {
+        0 => Ok(DType::F32),
+        1 => Ok(DType::F16),
+        2 => Ok(DType::BF16),
+        _ => Err(PyTypeError::new_err(format!("dtype code {code}: expected 0 (f32), 1 (f16) or 2 (bf16)"))),
+    }
+}
+
+/// Activation codes, as `kernels_torch._ops.ACTIVATIONS` numbers them; `a` and `b` are the
+/// parameters of those that have any.
+fn activation(code: u8, a: f32, b: f32) -> PyResult<Activation> {
+    Ok(match code {
+        0 => Activation::Identity,
+        1 => Activation::Relu,
+        2 => Activation::LeakyRelu { negative_slope: a },
+        3 => Activation::Sigmoid,
+        4 => Activation::Tanh,
+        5 => Activation::Gelu,
+        6 => Activation::GeluTanh,
+        7 => Activation::Silu,
+        8 => Activation::Mish,
+        9 => Activation::Softplus { beta: a, threshold: b },
+        _ => return Err(PyValueError::new_err(format!("unknown activation code {code}"))),
+    })
+}
+
+/// One call's device, stream and dtype.
+struct Call {
+    dev: Device,
+    stream: usize,
+    dt: DType,
+}
+
+impl Call {
+    fn new(ordinal: usize, stream: usize, dt: u8) -> PyResult<Call> {
+        Ok(Call { dev: device(ordinal).map_err(to_py)?, stream, dt: dtype(dt)? })
+    }
+
+    /// A borrowed tensor of the call's dtype.
+    ///
+    /// # Safety
+    /// `ptr` is the data of a live CUDA tensor of PyTorch on this device, contiguous, holding
+    /// `shape`'s elements of the dtype, alive until the call's work on its stream is done
+    /// (PyTorch's caching allocator keeps a freed block for reuse on the stream it was allocated
+    /// on, and the tensors are used on that stream, so this holds once the call returns while
+    /// the tensors are referenced by the caller).
+    unsafe fn t(&self, ptr: u64, shape: &[usize]) -> PyResult<Tensor> {
+        // SAFETY: the caller's contract.
+        unsafe { Tensor::from_device_ptr(&self.dev, ptr, shape, self.dt) }.map_err(to_py)
+    }
+
+    /// As `t`, but of f32 (the saved statistics).
+    unsafe fn f32(&self, ptr: u64, shape: &[usize]) -> PyResult<Tensor> {
+        // SAFETY: as `t`.
+        unsafe { Tensor::from_device_ptr(&self.dev, ptr, shape, DType::F32) }.map_err(to_py)
+    }
+
+    /// As `t`, optional: 0 is "none".
+    unsafe fn opt(&self, ptr: u64, shape: &[usize]) -> PyResult<Option<Tensor>> {
+        // SAFETY: as `t`.
+        if ptr == 0 { Ok(None) } else { unsafe { self.t(ptr, shape) }.map(Some) }
+    }
+
+    /// Runs `f` on PyTorch's stream, with the GIL released (a cross-entropy waits for the GPU).
+    fn run<R: Send>(&self, py: Python<'_>, f: impl FnOnce() -> kernels::Result<R> + Send) -> PyResult<R> {
+        py.detach(|| {
+            // SAFETY: `stream` is PyTorch's current stream of this device (the Python layer
+            // passes `torch.cuda.current_stream(device)`'s handle), alive as long as PyTorch is;
+            // every tensor `f` touches is borrowed from PyTorch and ordered on that stream, and
+            // everything the library allocates inside `f` is dropped inside it.
+            unsafe { self.dev.with_stream(self.stream as *mut std::ffi::c_void, f) }
+        })
+        .and_then(|r| r)
+        .map_err(to_py)
+    }
+}
+
+/// `act(x)` into `y`, both of `n` elements.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn activation_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    y: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    // SAFETY (all borrowed tensors of this module): the Python layer passes live contiguous
+    // CUDA tensors of this device, dtype and size, outputs freshly allocated (see `Call::t`).
+    let (x, mut y) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?) };
+    c.run(py, || ops::unary_out(&x, act, &mut y))
+}
+
+/// `act'(x) * g` into `gx`, all of `n` elements.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn activation_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    g: u64,
+    gx: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    // SAFETY: see `activation_fwd`.
+    let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
+    c.run(py, || ops::unary_backward_out(&x, &g, act, &mut gx))
+}
+
+/// `act(x * scale + bias)` into `y`; x and y `[rows, cols]`, scale and bias `[cols]`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn scale_bias_act_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    scale: u64,
+    bias: u64,
+    y: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    let s = [rows, cols];
+    // SAFETY: see `activation_fwd`.
+    let (x, scale, bias, mut y) = unsafe { (c.t(x, &s)?, c.t(scale, &[cols])?, c.t(bias, &[cols])?, c.t(y, &s)?) };
+    c.run(py, || ops::scale_bias_act_out(&x, &scale, &bias, act, &mut y))
+}
+
+/// Gradients of `act(x * scale + bias)` into `gx` (`[rows, cols]`), `gscale` and `gbias`
+/// (`[cols]`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn scale_bias_act_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    scale: u64,
+    bias: u64,
+    g: u64,
+    gx: u64,
+    gscale: u64,
+    gbias: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    let s = [rows, cols];
+    // SAFETY: see `activation_fwd`.
+    let (x, scale, bias, g, mut grads) = unsafe {
+        (
+            c.t(x, &s)?,
+            c.t(scale, &[cols])?,
+            c.t(bias, &[cols])?,
+            c.t(g, &s)?,
+            ScaleBiasActGrads { x: c.t(gx, &s)?, scale: c.t(gscale, &[cols])?, bias: c.t(gbias, &[cols])? },
+        )
+    };
+    c.run(py, || ops::scale_bias_act_backward_out(&x, &scale, &bias, &g, act, &mut grads))
+}
+
+/// Softmax (or log-softmax if `log`) of `x` into `y`, rows of `cols`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn softmax_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    log: bool,
+    x: u64,
+    y: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    // SAFETY: see `activation_fwd`.
+    let (x, mut y) = unsafe { (c.t(x, &s)?, c.t(y, &s)?) };
+    c.run(py, || if log { ops::log_softmax_out(&x, &mut y) } else { ops::softmax_out(&x, &mut y) })
+}
+
+/// Gradient of the input of softmax (log-softmax if `log`) from its output `y` and the output's
+/// gradient `g`, into `gx`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn softmax_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    log: bool,
+    y: u64,
+    g: u64,
+    gx: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    // SAFETY: see `activation_fwd`.
+    let (y, g, mut gx) = unsafe { (c.t(y, &s)?, c.t(g, &s)?, c.t(gx, &s)?) };
+    c.run(py, || {
+        if log { ops::log_softmax_backward_out(&y, &g, &mut gx) } else { ops::softmax_backward_out(&y, &g, &mut gx) }
+    })
+}
+
+/// Layer norm (RMS norm if `mean` is 0) of `x` (`[rows, cols]`) with optional `weight`, `bias`
+/// (0: none; RMS norm has no bias) into `y`, and the f32 statistics `mean`, `rstd` (`[rows]`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn norm_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    y: u64,
+    mean: u64,
+    rstd: u64,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    // SAFETY: see `activation_fwd`; mean and rstd are f32 tensors of `rows`.
+    let (x, w, b, mut y, mut stats) = unsafe {
+        (
+            c.t(x, &s)?,
+            c.opt(weight, &[cols])?,
+            c.opt(bias, &[cols])?,
+            c.t(y, &s)?,
+            NormStats { mean: if mean == 0 { None } else { Some(c.f32(mean, &[rows])?) }, rstd: c.f32(rstd, &[rows])? },
+        )
+    };
+    let layer = stats.mean.is_some();
+    if !layer && b.is_some() {
+        return Err(PyValueError::new_err("rms_norm: RMS norm has no bias"));
+    }
+    c.run(py, || {
+        if layer {
+            ops::layer_norm_out(&x, w.as_ref(), b.as_ref(), eps, &mut y, &mut stats)
+        } else {
+            ops::rms_norm_out(&x, w.as_ref(), eps, &mut y, &mut stats)
+        }
+    })
+}
+
+/// Backward of `norm_fwd`: the gradient of x into `gx`, and of the weight and bias into `gw`,
+/// `gb` where given (not 0).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn norm_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    x: u64,
+    weight: u64,
+    mean: u64,
+    rstd: u64,
+    g: u64,
+    gx: u64,
+    gw: u64,
+    gb: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    // SAFETY: see `norm_fwd`.
+    let (x, w, stats, g, mut grads) = unsafe {
+        (
+            c.t(x, &s)?,
+            c.opt(weight, &[cols])?,
+            NormStats { mean: if mean == 0 { None } else { Some(c.f32(mean, &[rows])?) }, rstd: c.f32(rstd, &[rows])? },
+            c.t(g, &s)?,
+            NormGrads { x: c.t(gx, &s)?, weight: c.opt(gw, &[cols])?, bias: c.opt(gb, &[cols])? },
+        )
+    };
+    let layer = stats.mean.is_some();
+    c.run(py, || {
+        if layer {
+            ops::layer_norm_backward_out(&x, w.as_ref(), &stats, &g, &mut grads)
+        } else {
+            ops::rms_norm_backward_out(&x, w.as_ref(), &stats, &g, &mut grads)
+        }
+    })
+}
+
+fn reduction(code: u8) -> PyResult<Reduction> {
+    match code {
+        0 => Ok(Reduction::None),
+        1 => Ok(Reduction::Mean),
+        2 => Ok(Reduction::Sum),
+        _ => Err(PyValueError::new_err(format!("reduction code {code}: expected 0 (none), 1 (mean) or 2 (sum)"))),
+    }
+}
+
+/// Cross-entropy of `logits` (`[rows, cols]`) against int64 `target` (`[rows]`) into `loss`
+/// (`[rows]` for reduction none, else `[]`), saving f32 `lse` (`[rows]`) and `count` (`[1]`).
+/// Synchronises with the stream to check the targets (an out-of-range one is a ValueError
+/// naming its row).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cross_entropy_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    logits: u64,
+    target: u64,
+    loss: u64,
+    lse: u64,
+    count: u64,
+    rows: usize,
+    cols: usize,
+    reduction_code: u8,
+    ignore_index: i64,
+    label_smoothing: f32,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let opts = CrossEntropyOpts { reduction: reduction(reduction_code)?, ignore_index, label_smoothing };
+    let loss_shape: &[usize] = if opts.reduction == Reduction::None { &[rows] } else { &[] };
+    // SAFETY: see `activation_fwd`; target holds `rows` int64, lse `rows` f32, count one f32.
+    let (logits, target, mut loss, mut saved) = unsafe {
+        (
+            c.t(logits, &[rows, cols])?,
+            IndexTensor::from_device_ptr(&c.dev, target, &[rows]).map_err(to_py)?,
+            c.t(loss, loss_shape)?,
+            ops::CrossEntropySaved::from_parts(c.f32(lse, &[rows])?, c.f32(count, &[1])?, opts).map_err(to_py)?,
+        )
+    };
+    c.run(py, || ops::cross_entropy_out(&logits, &target, opts, &mut loss, &mut saved))
+}
+
+/// Gradient of the logits of `cross_entropy_fwd` from the loss's gradient `g` (the loss's
+/// shape) and the saved `lse`, `count`, into `gx`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cross_entropy_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    logits: u64,
+    target: u64,
+    lse: u64,
+    count: u64,
+    g: u64,
+    gx: u64,
+    rows: usize,
+    cols: usize,
+    reduction_code: u8,
+    ignore_index: i64,
+    label_smoothing: f32,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let opts = CrossEntropyOpts { reduction: reduction(reduction_code)?, ignore_index, label_smoothing };
+    let g_shape: &[usize] = if opts.reduction == Reduction::None { &[rows] } else { &[] };
+    // SAFETY: see `cross_entropy_fwd`.
+    let (logits, target, saved, g, mut gx) = unsafe {
+        (
+            c.t(logits, &[rows, cols])?,
+            IndexTensor::from_device_ptr(&c.dev, target, &[rows]).map_err(to_py)?,
+            ops::CrossEntropySaved::from_parts(c.f32(lse, &[rows])?, c.f32(count, &[1])?, opts).map_err(to_py)?,
+            c.t(g, g_shape)?,
+            c.t(gx, &[rows, cols])?,
+        )
+    };
+    c.run(py, || ops::cross_entropy_backward_out(&logits, &target, &saved, &g, &mut gx))
+}
+
+/// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
+/// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
+#[pyfunction]
+fn cuda_status(py: Python<'_>) -> (bool, String) {
+    py.detach(|| match kernels::device_count().and_then(|n| if n == 0 { Ok(None) } else { device(0).map(Some) }) {
+        Err(e) => (false, e.to_string()),
+        Ok(None) => (false, "no CUDA device: the driver reports 0 devices".to_string()),
+        Ok(Some(d)) => (true, d.name().to_string()),
+    })
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PTX_ARCH", kernels::device::PTX_ARCH)?;
+    m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(activation_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(activation_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(scale_bias_act_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(softmax_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(softmax_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(norm_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(norm_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_entropy_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_entropy_bwd, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,112 @@
+"""What works without a GPU: the modules' fallback to PyTorch on CPU tensors, the operators'
+refusals, their schemas and their fake (meta) implementations through autograd."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import kernels_torch as kt  # noqa: E402
+from kernels_torch import nn as knn  # noqa: E402
+
+
+def test_modules_fall_back_to_pytorch_on_cpu():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    pairs = [
+        (knn.GELU(), torch.nn.GELU()),
+        (knn.GELU("tanh"), torch.nn.GELU("tanh")),
+        (knn.Swish(), torch.nn.SiLU()),
+        (knn.Mish(), torch.nn.Mish()),
+        (knn.ReLU(), torch.nn.ReLU()),
+        (knn.LeakyReLU(0.2), torch.nn.LeakyReLU(0.2)),
+        (knn.Sigmoid(), torch.nn.Sigmoid()),
+        (knn.Tanh(), torch.nn.Tanh()),
+        (knn.Softplus(2.0, 5.0), torch.nn.Softplus(2.0, 5.0)),
+        (knn.Softmax(-1), torch.nn.Softmax(-1)),
+        (knn.LogSoftmax(0), torch.nn.LogSoftmax(0)),
+        (knn.LayerNorm(16, dtype=torch.float64), torch.nn.LayerNorm(16, dtype=torch.float64)),
+        (knn.RMSNorm(16, dtype=torch.float64), torch.nn.RMSNorm(16, dtype=torch.float64)),
+    ]
+    for ours, ref in pairs:
+        assert torch.equal(ours(x), ref(x)), type(ours).__name__
+    t = torch.tensor([1, 0, 3, 15, 2, 2, 9, 0])
+    assert torch.equal(knn.CrossEntropyLoss(label_smoothing=0.1)(x, t), F.cross_entropy(x, t, label_smoothing=0.1))
+    m = knn.FusedBiasAct(16, "softplus", 2.0, scale=True, dtype=torch.float64)
+    with torch.no_grad():
+        m.bias.normal_()
+        m.scale.normal_()
+    assert torch.equal(m(x), F.softplus(x * m.scale + m.bias, 2.0, 20.0))
+    assert m.params == (2.0, 20.0)
+    m(x).sum().backward()
+    assert m.bias.grad is not None and m.scale.grad is not None and x.grad is not None
+
+
+def test_modules_keep_pytorch_state_dicts():
+    ref = torch.nn.LayerNorm(16)
+    ours = knn.LayerNorm(16)
+    ours.load_state_dict(ref.state_dict())
+    assert set(ours.state_dict()) == {"weight", "bias"}
+    assert set(knn.FusedBiasAct(4).state_dict()) == {"bias"}  # the constant scale is not saved
+    assert set(knn.FusedBiasAct(4, scale=True).state_dict()) == {"bias", "scale"}
+
+
+def test_ops_refuse_cpu_tensors_and_say_cuda_is_unavailable():
+    x = torch.randn(4, 8)
+    for f in (kt.gelu, kt.silu, kt.softmax, lambda x: kt.layer_norm(x, [8]), lambda x: kt.rms_norm(x, [8])):
+        with pytest.raises(ValueError, match=r"x is on cpu; the kernels run on CUDA tensors only") as e:
+            f(x)
+        ok, why = kt.cuda_status()
+        if not ok:
+            assert "CUDA is unavailable here" in str(e.value) and why in str(e.value)
+    with pytest.raises(ValueError, match="logits is on cpu"):
+        kt.cross_entropy(x, torch.zeros(4, dtype=torch.long))
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="unknown activation 'swoosh'"):
+        knn.FusedBiasAct(4, "swoosh")
+    with pytest.raises(ValueError, match="takes 0 parameters"):
+        knn.FusedBiasAct(4, "gelu", 1.0)
+    with pytest.raises(ValueError, match="approximate"):
+        kt.gelu(torch.randn(2), approximate="fast")
+
+
+def test_schemas():
+    ops = torch.ops.rustkernels
+    assert str(ops.softplus.default._schema) == "rustkernels::softplus(Tensor x, float beta=1., float threshold=20.) -> Tensor"
+    assert str(ops.gelu_backward.default._schema) == "rustkernels::gelu_backward(Tensor x, Tensor grad) -> Tensor"
+    for name in ["relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "mish", "softplus",
+                 "scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy"]:  # fmt: skip
+        assert hasattr(ops, name) and hasattr(ops, name + "_backward"), name
+
+
+def test_fake_implementations_and_autograd_wiring_on_meta_tensors():
+    """The fake (meta) implementations give the real ones' shapes and dtypes, and autograd reaches
+    each backward op with the right gradients present (no data: meta tensors)."""
+    x = torch.empty(4, 8, device="meta", requires_grad=True)
+    w = torch.empty(8, device="meta", requires_grad=True)
+    b = torch.empty(8, device="meta", requires_grad=True)
+    t = torch.zeros(4, dtype=torch.long, device="meta")
+    cases = {
+        "gelu": (lambda: kt.gelu(x), (True, False, False)),
+        "softplus": (lambda: kt.softplus(x, 2.0, 3.0), (True, False, False)),
+        "layer_norm": (lambda: kt.layer_norm(x, [8], w, b), (True, True, True)),
+        "layer_norm no bias": (lambda: kt.layer_norm(x, [8], w, None), (True, True, False)),
+        "rms_norm": (lambda: kt.rms_norm(x, [8], w), (True, True, False)),
+        "softmax dim 0": (lambda: kt.softmax(x, 0), (True, False, False)),
+        "log_softmax": (lambda: kt.log_softmax(x), (True, False, False)),
+        "scale_bias_act": (lambda: kt.scale_bias_act(x, w, b, "leaky_relu"), (True, True, True)),
+        "cross_entropy": (lambda: kt.cross_entropy(x, t, reduction="none"), (True, False, False)),
+    }
+    for name, (f, want) in cases.items():
+        y = f()
+        assert y.device.type == "meta", name
+        gs = torch.autograd.grad(y.sum(), [x, w, b], allow_unused=True)
+        assert tuple(g is not None for g in gs) == want, name
+        for g, p in zip(gs, (x, w, b)):
+            assert g is None or g.shape == p.shape, name
+    y, mean, rstd = torch.ops.rustkernels.layer_norm(torch.empty(2, 3, 4, 5, device="meta"), [4, 5], None, None, 1e-5)
+    assert y.shape == (2, 3, 4, 5) and mean.shape == (2, 3) and rstd.dtype == torch.float32
+    loss, lse, count = torch.ops.rustkernels.cross_entropy(x.detach(), t, "mean", -100, 0.0)
+    assert loss.shape == () and lse.shape == (4,) and count.shape == (1,)
