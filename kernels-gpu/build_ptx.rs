@@ -73,20 +73,37 @@ pub fn launch_bound(kernel: &str) -> Option<u32> {
     (wide && !kernel.contains("norm_bwd")).then_some(1024)
 }
 
-/// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`].
+/// Block size and minimum resident blocks per SM of a GEMM tile kernel, from its name
+/// `gemm_<ops>_<BM>x<BN>` (kernels-gpu/src/gemm.rs): `BM * BN / 64` threads (an 8 x 8 block of
+/// C each), and as many blocks as a register budget per thread allows (65536 registers per SM).
+/// This is CUDA's `__launch_bounds__(threads, blocks)`. The 256-thread tile gets 128 registers, where
+/// its 64 accumulators, two 8-value fragments and one staged chunk per operand fit without
+/// spilling, two blocks an SM; given a free hand ptxas takes more and only one block fits.
+pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, u32)> {
+    let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
+    let (bm, bn) = tile.split_once('x')?;
+    let threads = bm.parse::<u32>().ok()? * bn.parse::<u32>().ok()? / 64;
+    Some((threads, (65536 / (threads * 128)).max(1)))
+}
+
+/// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`],
+/// and `.maxntid` with `.minnctapersm` after every GEMM tile kernel's ([`gemm_launch_bounds`]).
 pub fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
-    let mut pending: Option<u32> = None;
+    let mut pending: Option<String> = None;
     for line in ptx.lines() {
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or(rest).trim();
-            pending = launch_bound(name);
+            pending = launch_bound(name)
+                .map(|n| format!(".maxntid {n}, 1, 1\n"))
+                .or_else(|| gemm_launch_bounds(name).map(|(t, b)| format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n")));
         }
         out.push_str(line);
         out.push('\n');
-        if let (Some(n), ")") = (pending, line.trim()) {
-            out.push_str(&format!(".maxntid {n}, 1, 1\n"));
-            pending = None;
+        if line.trim() == ")"
+            && let Some(d) = pending.take()
+        {
+            out.push_str(&d);
         }
     }
     out

@@ -4,7 +4,9 @@
 
 pub mod cross_entropy;
 pub mod elementwise;
+pub mod gemm;
 pub mod init;
+pub mod linear;
 pub mod mathprobe;
 pub mod norm;
 pub mod optim;
@@ -14,6 +16,8 @@ pub mod transpose;
 
 pub use cross_entropy::*;
 pub use elementwise::*;
+pub use gemm::*;
+pub use linear::*;
 pub use norm::*;
 pub use optim::*;
 pub use reduce::*;
@@ -21,7 +25,7 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the row-operation families launch (softmax, norms, cross-entropy, reductions,
-/// transpose) and the optimizer, with the parameter count of the signature the host launches it
+/// transpose), the GEMM and the optimizer, with the parameter count of the signature the host launches it
 /// with; checked against the PTX by `tests/cpu.rs`.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v = softmax::launched_kernels();
@@ -29,6 +33,7 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     v.extend(cross_entropy::launched_kernels());
     v.extend(reduce::launched_kernels());
     v.extend(transpose::launched_kernels());
+    v.extend(gemm::launched_kernels());
     v.extend(optim::launched_kernels());
     v
 }

@@ -26,6 +26,10 @@ pub trait Params {
     type P9;
     type P10;
     type P11;
+    type P12;
+    type P13;
+    type P14;
+    type P15;
 }
 
 /// A parameter tuple the host can hand to `cuLaunchKernel`.
@@ -50,7 +54,7 @@ impl Param for i64 {}
 impl Param for f32 {}
 
 /// The most parameters a kernel takes.
-pub const MAX_PARAMS: usize = 12;
+pub const MAX_PARAMS: usize = 16;
 
 /// Stands in for the unused positions of [`Params`].
 pub enum Unused {}
@@ -59,7 +63,7 @@ macro_rules! impl_params {
     ($n:expr; $($T:ident $i:tt),*; $($U:ident),*) => {
         impl<$($T: Param),*> Params for ($($T,)*) {
             const ARITY: usize = $n;
-            impl_params!(@assoc [$($T)*] [$($U)*] [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11]);
+            impl_params!(@assoc [$($T)*] [$($U)*] [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11 P12 P13 P14 P15]);
         }
         unsafe impl<$($T: Param),*> KernelArgs for ($($T,)*) {
             #[allow(unused_mut)]
@@ -93,6 +97,10 @@ impl_params!(9; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8; );
 impl_params!(10; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9; );
 impl_params!(11; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10; );
 impl_params!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11; );
+impl_params!(13; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12; );
+impl_params!(14; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13; );
+impl_params!(15; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14; );
+impl_params!(16; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M 12, N 13, O 14, P 15; );
 
 /// Defines a kernel whose parameter list is the tuple type `$args`.
 ///
@@ -106,7 +114,7 @@ impl_params!(12; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11; )
 macro_rules! kernel {
     ($name:ident : $args:ty = |$($p:ident),* $(,)?| $body:expr) => {
         $crate::kernel!(@zip $name; $args; $body; [];
-            [$($p)*]; [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11]);
+            [$($p)*]; [P0 P1 P2 P3 P4 P5 P6 P7 P8 P9 P10 P11 P12 P13 P14 P15]);
         const _: () = assert!(
             <$args as $crate::kernel::Params>::ARITY == [$(stringify!($p)),*].len(),
             concat!("kernel `", stringify!($name), "` names a different number of parameters than its signature")

@@ -20,6 +20,7 @@ pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
 pub mod fastmath;
+pub mod gemm;
 pub mod init;
 pub mod kernel;
 pub mod math;

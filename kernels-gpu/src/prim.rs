@@ -31,6 +31,11 @@ pub fn block_idx_y() -> u32 {
     unsafe { nvptx::_block_idx_y() as u32 }
 }
 #[inline(always)]
+pub fn block_idx_z() -> u32 {
+    // SAFETY: as above.
+    unsafe { nvptx::_block_idx_z() as u32 }
+}
+#[inline(always)]
 pub fn block_dim_x() -> u32 {
     // SAFETY: as above.
     unsafe { nvptx::_block_dim_x() as u32 }
@@ -136,6 +141,64 @@ pub fn dyn_smem<T>() -> *mut T {
         asm!("cvta.shared.u64 {p}, DYN_SMEM;", p = out(reg64) p, options(nomem, nostack, pure));
     }
     p as *mut T
+}
+
+/// Shared-window (32-bit) address of the start of the dynamic shared memory, for the explicit
+/// `ld.shared`/`st.shared` below. Generic loads and stores of shared memory (through
+/// [`dyn_smem`]) are fine for a few accesses per element; the GEMM's inner loop is almost all
+/// shared loads, and there the explicit state space keeps each one a single `LDS`.
+#[inline(always)]
+pub fn dyn_smem_addr() -> u32 {
+    let a: u32;
+    // SAFETY: reads the address of DYN_SMEM in the shared window; no access.
+    unsafe {
+        asm!("mov.u32 {a}, DYN_SMEM;", a = out(reg32) a, options(nomem, nostack, pure));
+    }
+    a
+}
+
+/// Loads 16 bytes of shared memory as four f32.
+///
+/// # Safety
+/// `addr` must be a 16-byte aligned shared-window address inside the launch's dynamic shared
+/// memory.
+#[inline(always)]
+pub unsafe fn ld_shared_v4_f32(addr: u32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg32) addr, options(pure, readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+/// Stores one f32 to shared memory.
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address inside the dynamic shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_f32(addr: u32, v: f32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("st.shared.f32 [{p}], {v};", p = in(reg32) addr, v = in(reg32) v,
+             options(nostack, preserves_flags));
+    }
+}
+
+/// Stores 16 bytes (four f32) to shared memory.
+///
+/// # Safety
+/// `addr` must be a 16-byte aligned shared-window address inside the dynamic shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_v4_f32(addr: u32, v: [f32; 4]) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("st.shared.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};", p = in(reg32) addr,
+             a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+             options(nostack, preserves_flags));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

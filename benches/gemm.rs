@@ -1,0 +1,204 @@
+//! GEMM benchmarks against cuBLAS in the same process, on the same buffers and stream: the
+//! suite's shapes (`../shared/bench-suite.md`: 4096^3, 8192^3, the skinny 8192x8192x128,
+//! 128x8192x8192 and 4096x4096x16384), the transposed layouts a linear layer uses, and the fused
+//! `relu(x @ W^T + b)` at 8192x4096 by 4096x4096 against cuBLAS's plain product (PyTorch's eager
+//! `relu(F.linear(x, W, b))`, cuBLAS plus one kernel, is timed by `benches/torch_gemm.py` and the
+//! suite's anchors in the same run).
+//!
+//! Method: for each case, ours and cuBLAS alternate in rounds of 5 launches, each launch between
+//! two CUDA events, after a warm-up of 3 launches each; the median over all timed launches is
+//! reported (20 each by default, `KERNELS_GEMM_ITERS`). A GEMM of these sizes is compute-bound
+//! (8192^3 reads 0.8 GB for 1.1 TFLOP), so the L2 is not flushed. cuBLAS runs in its default FP32
+//! mode (no TF32: `CUBLAS_DEFAULT_MATH`, as PyTorch with `allow_tf32 = False`), loaded at run
+//! time from `libcublas.so.12` (the suite script points `LD_LIBRARY_PATH` at the pip wheel's
+//! copy). JSON records (`KERNELS_BENCH_JSON`) carry both times and the ratio.
+//!
+//! ```text
+//! cargo bench --bench gemm                  # everything
+//! cargo bench --bench gemm -- 4096          # names containing "4096"
+//! ```
+
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use kernels::ops::{self, Activation, Gemm};
+use kernels::{DType, Device, Result, Tensor};
+
+struct Case {
+    name: String,
+    g: Gemm,
+    m: usize,
+    n: usize,
+    k: usize,
+    /// The fused linear epilogue (bias + relu) for ours; cuBLAS runs the plain product.
+    linear: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    let mut add = |m: usize, n: usize, k: usize, ta: bool, tb: bool, linear: bool| {
+        let ops = format!("{}{}", if ta { 't' } else { 'n' }, if tb { 't' } else { 'n' });
+        let what = if linear { "linear_bias_relu" } else { "sgemm" };
+        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), g: Gemm::new(ta, tb), m, n, k, linear });
+    };
+    add(4096, 4096, 4096, false, false, false);
+    add(8192, 8192, 8192, false, false, false);
+    add(8192, 8192, 128, false, false, false);
+    add(128, 8192, 8192, false, false, false);
+    add(4096, 4096, 16384, false, false, false);
+    // The layouts of a linear layer: forward x W^T (nt), dW = dy^T x (tn); and tt.
+    add(4096, 4096, 4096, false, true, false);
+    add(4096, 4096, 4096, true, false, false);
+    add(4096, 4096, 4096, true, true, false);
+    // Small and odd.
+    add(1024, 1024, 1024, false, false, false);
+    add(1000, 1000, 1000, false, false, false);
+    // The fused linear layer: x [8192, 4096] @ W^T, W [4096, 4096].
+    add(8192, 4096, 4096, false, true, true);
+    v
+}
+
+fn median(v: &mut [f32]) -> f64 {
+    v.sort_by(f32::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] as f64 } else { (v[m - 1] as f64 + v[m] as f64) / 2.0 }
+}
+
+/// cuBLAS's row-major `C = op(A) op(B)`: column-major `C^T = op(B)^T op(A)^T`, so B goes first.
+///
+/// # Safety
+/// The tensors hold the matrices the case describes, on `dev`, and outlive the launch (the
+/// caller synchronises before dropping them).
+unsafe fn cublas_sgemm(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+    use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    let (m, n, k) = (cs.m as i32, cs.n as i32, cs.k as i32);
+    let lda = if cs.g.trans_a { m } else { k };
+    let ldb = if cs.g.trans_b { k } else { n };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: per the function contract.
+    unsafe {
+        cublas::sgemm(
+            h,
+            if cs.g.trans_b { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            if cs.g.trans_a { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            n,
+            m,
+            k,
+            &alpha,
+            b.device_ptr() as *const f32,
+            ldb,
+            a.device_ptr() as *const f32,
+            lda,
+            &beta,
+            c.device_ptr() as *mut f32,
+            n,
+        )
+        .expect("cublasSgemm");
+    }
+}
+
+fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize) -> Result<(f64, f64)> {
+    let (ar, ac) = if cs.g.trans_a { (cs.k, cs.m) } else { (cs.m, cs.k) };
+    let (br, bc) = if cs.g.trans_b { (cs.n, cs.k) } else { (cs.k, cs.n) };
+    let a = Tensor::rand_normal(dev, &[ar, ac], DType::F32, 0.0, 1.0, 1)?;
+    let b = Tensor::rand_normal(dev, &[br, bc], DType::F32, 0.0, 1.0, 2)?;
+    let bias = Tensor::rand_normal(dev, &[cs.n], DType::F32, 0.0, 1.0, 3)?;
+    let mut c = Tensor::zeros(dev, &[cs.m, cs.n], DType::F32)?;
+    let mut c_ref = Tensor::zeros(dev, &[cs.m, cs.n], DType::F32)?;
+    let ours = |c: &mut Tensor| -> Result<()> {
+        if cs.linear {
+            ops::gemm_ex(&a, &b, c, cs.g, Some(&bias), Activation::Relu)
+        } else {
+            ops::gemm(&a, &b, c, cs.g)
+        }
+    };
+    let (mut t_ours, mut t_blas) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        ours(&mut c)?;
+        // SAFETY: the tensors live until the synchronisation below.
+        unsafe { cublas_sgemm(h, cs, &a, &b, &mut c_ref) };
+    }
+    dev.synchronize()?;
+    let rounds = iters.div_ceil(5);
+    for _ in 0..rounds {
+        let mut ev = Vec::new();
+        for _ in 0..5 {
+            let s = dev.record_event()?;
+            ours(&mut c)?;
+            ev.push((s, dev.record_event()?));
+        }
+        for (s, e) in &ev {
+            t_ours.push(s.elapsed_ms(e)?);
+        }
+        let mut ev = Vec::new();
+        for _ in 0..5 {
+            let s = dev.record_event()?;
+            // SAFETY: as above; elapsed_ms waits for the end events.
+            unsafe { cublas_sgemm(h, cs, &a, &b, &mut c_ref) };
+            ev.push((s, dev.record_event()?));
+        }
+        for (s, e) in &ev {
+            t_blas.push(s.elapsed_ms(e)?);
+        }
+    }
+    dev.synchronize()?;
+    // A sanity check that both computed the same product (on a sample; the tests do the real
+    // checking): relative difference of a few entries.
+    if !cs.linear {
+        let (x, y) = (c.to_vec::<f32>()?, c_ref.to_vec::<f32>()?);
+        let step = (x.len() / 97).max(1);
+        for i in (0..x.len()).step_by(step) {
+            let d = (x[i] - y[i]).abs() / (y[i].abs() + (cs.k as f32).sqrt());
+            assert!(d < 1e-3, "{}: ours {} vs cuBLAS {} at {i}", cs.name, x[i], y[i]);
+        }
+    }
+    Ok((median(&mut t_ours), median(&mut t_blas)))
+}
+
+fn main() {
+    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let dev = match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("no GPU: {e}, benchmarks skipped");
+            return;
+        }
+    };
+    // SAFETY: probing whether the shared library can be opened.
+    if !unsafe { cublas_sys::is_culib_present() } {
+        println!("cuBLAS (libcublas.so.12) not found: set LD_LIBRARY_PATH to its folder; benchmarks skipped");
+        std::process::exit(1);
+    }
+    let iters: usize = std::env::var("KERNELS_GEMM_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let h = cublas::create_handle().expect("cublasCreate");
+    // SAFETY: the handle is live; the stream is the device's (cuBLAS and ours are then ordered).
+    unsafe {
+        cublas::set_stream(h, dev.cu_stream() as cublas_sys::cudaStream_t).expect("cublasSetStream");
+        cublas_sys::cublasSetMathMode(h, cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH).result().expect("math mode");
+    }
+    println!("device: {} ({} SMs); {iters} timed launches each", dev.name(), dev.sm_count());
+    println!("{:<48} {:>10} {:>9} {:>10} {:>9} {:>7}", "case", "ours ms", "TFLOP/s", "cuBLAS ms", "TFLOP/s", "ratio");
+    let mut json = Vec::new();
+    for cs in cases() {
+        if !filter.is_empty() && !filter.iter().any(|f| cs.name.contains(f.as_str())) {
+            continue;
+        }
+        let (ours, blas) = run_case(&dev, h, &cs, iters).unwrap_or_else(|e| panic!("{}: {e}", cs.name));
+        let flop = 2.0 * cs.m as f64 * cs.n as f64 * cs.k as f64;
+        let (tf, tb) = (flop / ours / 1e9, flop / blas / 1e9);
+        println!("{:<48} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>6.3}x", cs.name, ours, tf, blas, tb, blas / ours);
+        json.push(format!(
+            "  {{\"name\": \"{}\", \"m\": {}, \"n\": {}, \"k\": {}, \"ms\": {ours}, \"tflops\": {tf}, \"cublas_ms\": {blas}, \
+             \"cublas_tflops\": {tb}, \"ratio_vs_cublas\": {}}}",
+            cs.name,
+            cs.m,
+            cs.n,
+            cs.k,
+            blas / ours
+        ));
+    }
+    if let Ok(path) = std::env::var("KERNELS_BENCH_JSON") {
+        std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n"))).expect("write the JSON");
+        println!("wrote {} records to {path}", json.len());
+    }
+    // SAFETY: no work uses the handle any more (the last case synchronised).
+    unsafe { cublas::destroy_handle(h) }.expect("cublasDestroy");
+}
