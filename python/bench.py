@@ -1,14 +1,19 @@
 """Times each kernels_torch operator against PyTorch eager (and torch.compile where it applies) in one
 process, on the same tensors.
 
-    python3 bench.py [OUT.json] [--quick] [--budget SECONDS]
+    python3 bench.py [OUT.json] [--quick] [--budget SECONDS] [--ops NAME,NAME,...]
 
 GPU time: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed before each,
 median of the runs; CUDA events with the same method if Triton is missing). Ratio = PyTorch's time
 / ours (above 1: ours is faster). "fwd+bwd" times ``torch.autograd.grad`` of the forward, so it
 includes the forward. For the small size, also the host's cost per call (microseconds per call in
 a loop without synchronisation: launch overhead, which is what a small tensor pays). The JSON goes
-to OUT.json, else to $OUT/python-bench.json if $OUT is set.
+to OUT.json, else to $OUT/python-bench.json if $OUT is set. ``--quick``: bf16 only for the
+element-wise and row ops (the linear layer is f32, timed in either mode); ``--ops``: only these.
+
+The linear layer (``relu(F.linear(x, W, b))``, f32) is timed with PyTorch's default matmul
+precision, full f32 (``torch.backends.cuda.matmul.allow_tf32`` False, recorded in the JSON): the
+library's GEMM is f32 on the CUDA cores, as cuBLAS's SGEMM is.
 """
 
 import json
@@ -99,6 +104,20 @@ def cases(dtype, big):
     return out, f"{rows}x{cols}" if big else f"{rows}x{cols}", f"{n}x{c}"
 
 
+def linear_cases(big):
+    """relu(x @ W^T + b) in f32: 8192 x 4096 by 4096 x 4096 (a large layer), 64 x 1024 by 1024 x 1024."""
+    rows, k, n = (8192, 4096, 4096) if big else (64, 1024, 1024)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).requires_grad_()
+
+    x, w, b = r(rows, k), r(n, k, scale=k**-0.5), r(n)
+    g = torch.randn(rows, n, device="cuda")
+    case = ("linear_relu", lambda x, w, b: kt.linear(x, w, b, "relu"), lambda x, w, b: F.relu(F.linear(x, w, b)),
+            [x, w, b], g)  # fmt: skip
+    return [case], f"{rows}x{k}x{n}", 2.0 * rows * k * n
+
+
 COMPILED = {"scale_bias_silu", "layer_norm", "rms_norm", "softmax", "cross_entropy", "gelu"}
 
 
@@ -109,6 +128,10 @@ def main():
     if "--budget" in args:
         budget = float(args[args.index("--budget") + 1])
         del args[args.index("--budget") : args.index("--budget") + 2]
+    only = None
+    if "--ops" in args:
+        only = set(args[args.index("--ops") + 1].split(","))
+        del args[args.index("--ops") : args.index("--ops") + 2]
     args = [a for a in args if a != "--quick"]
     out_path = args[0] if args else (os.path.join(os.environ["OUT"], "python-bench.json") if os.environ.get("OUT") else None)
     ok, why = kt.cuda_status()
@@ -123,40 +146,50 @@ def main():
     hdr = f"{'op':<16} {'dtype':<9} {'shape':<12} {'dir':<8} {'ours ms':>9} {'torch ms':>9} {'ratio':>6} {'compiled':>9} {'ratio':>6}"
     print(hdr)
     print("-" * len(hdr))
+    runs = []
     for big in (True, False):
         for dtype in dtypes:
             cs, shape, ce_shape = cases(dtype, big)
-            for name, ours, ref, inputs, g in cs:
-                sh = ce_shape if name == "cross_entropy" else shape
-                for direction in ("fwd", "fwd+bwd"):
-                    if direction == "fwd":
-                        fo, fr = (lambda o=ours: o(*inputs)), (lambda r=ref: r(*inputs))
-                    else:
-                        fo, fr = grad_fn(ours, inputs, g), grad_fn(ref, inputs, g)
-                    with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-                        t_o, t_r = bench_ms(fo), bench_ms(fr)
-                    rec = {"op": name, "dtype": str(dtype).replace("torch.", ""), "shape": sh, "dir": direction,
-                           "ours_ms": t_o, "torch_ms": t_r, "ratio": t_r / t_o}  # fmt: skip
-                    tc = ""
-                    if (big and direction == "fwd" and dtype == torch.bfloat16 and name in COMPILED
-                            and time.time() - start < budget):  # fmt: skip
-                        try:
-                            cf = torch.compile(ref, fullgraph=True, dynamic=False)
-                            with torch.no_grad():
-                                cf(*inputs)
-                                t_c = bench_ms(lambda: cf(*inputs))
-                            rec["compiled_ms"] = t_c
-                            rec["ratio_compiled"] = t_c / t_o
-                            tc = f"{t_c:9.4f} {t_c / t_o:6.2f}"
-                        except Exception as e:  # noqa: BLE001 - report and go on
-                            rec["compiled_error"] = repr(e)[:200]
-                            tc = "  (compile failed)"
-                    if not big:
-                        with torch.no_grad() if direction == "fwd" else torch.enable_grad():
-                            rec["ours_host_us"], rec["torch_host_us"] = host_us(fo, 500), host_us(fr, 500)
-                        tc += f"  host us/call: ours {rec['ours_host_us']:.1f}, torch {rec['torch_host_us']:.1f}"
-                    results.append(rec)
-                    print(f"{name:<16} {rec['dtype']:<9} {sh:<12} {direction:<8} {t_o:9.4f} {t_r:9.4f} {t_r / t_o:6.2f} {tc}")
+            runs += [(big, dtype, c, ce_shape if c[0] == "cross_entropy" else shape, None) for c in cs]
+        cs, shape, flops = linear_cases(big)
+        runs += [(big, torch.float32, c, shape, flops) for c in cs]
+    for big, dtype, (name, ours, ref, inputs, g), sh, flops in runs:
+        if only is not None and name not in only:
+            continue
+        for direction in ("fwd", "fwd+bwd"):
+            if direction == "fwd":
+                fo, fr = (lambda o=ours: o(*inputs)), (lambda r=ref: r(*inputs))
+            else:
+                fo, fr = grad_fn(ours, inputs, g), grad_fn(ref, inputs, g)
+            with torch.no_grad() if direction == "fwd" else torch.enable_grad():
+                t_o, t_r = bench_ms(fo), bench_ms(fr)
+            rec = {"op": name, "dtype": str(dtype).replace("torch.", ""), "shape": sh, "dir": direction,
+                   "ours_ms": t_o, "torch_ms": t_r, "ratio": t_r / t_o}  # fmt: skip
+            tc = ""
+            if flops is not None:  # GEMMs: forward one product, fwd+bwd three
+                f = flops * (1 if direction == "fwd" else 3)
+                rec["ours_tflops"], rec["torch_tflops"] = f / t_o / 1e9, f / t_r / 1e9
+                rec["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+                tc = f"  TFLOP/s: ours {rec['ours_tflops']:.1f}, torch {rec['torch_tflops']:.1f}"
+            if (big and direction == "fwd" and dtype == torch.bfloat16 and name in COMPILED
+                    and time.time() - start < budget):  # fmt: skip
+                try:
+                    cf = torch.compile(ref, fullgraph=True, dynamic=False)
+                    with torch.no_grad():
+                        cf(*inputs)
+                        t_c = bench_ms(lambda: cf(*inputs))
+                    rec["compiled_ms"] = t_c
+                    rec["ratio_compiled"] = t_c / t_o
+                    tc = f"{t_c:9.4f} {t_c / t_o:6.2f}"
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    rec["compiled_error"] = repr(e)[:200]
+                    tc = "  (compile failed)"
+            if not big:
+                with torch.no_grad() if direction == "fwd" else torch.enable_grad():
+                    rec["ours_host_us"], rec["torch_host_us"] = host_us(fo, 500), host_us(fr, 500)
+                tc += f"  host us/call: ours {rec['ours_host_us']:.1f}, torch {rec['torch_host_us']:.1f}"
+            results.append(rec)
+            print(f"{name:<16} {rec['dtype']:<9} {sh:<12} {direction:<8} {t_o:9.4f} {t_r:9.4f} {t_r / t_o:6.2f} {tc}")
     # What a call costs on the host, layer by layer, for a small tensor: the native call alone
     # (preallocated output, no checks), the custom op, PyTorch's op.
     x = torch.randn(64, 1024, device="cuda")

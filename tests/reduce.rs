@@ -281,6 +281,12 @@ fn check_cols(dev: &Device, dt: DType, shape: &[usize], xs: &[f32], sums: SumChe
             return Err(ctx(format!("result shape {:?}, want [{cols}]", r.shape())));
         }
         let got = r.to_f32_vec().map_err(e)?;
+        // The `_out` variant, into a NaN-filled output: the same bits.
+        let mut o = Tensor::full(dev, &[cols], dt, f32::NAN).map_err(e)?;
+        ops::reduce_leading_dims_out(&x, op, &mut o).map_err(e)?;
+        if o.to_f32_vec().map_err(e)?.iter().map(|v| v.to_bits()).ne(got.iter().map(|v| v.to_bits())) {
+            return Err(ctx("reduce_leading_dims_out differs from reduce_leading_dims".into()));
+        }
         for (c, (g, ex)) in got.iter().zip(&per_col).enumerate() {
             if rows == 0 {
                 // The sum of nothing is 0, the mean NaN.
@@ -383,6 +389,14 @@ fn cols_edges(dev: &Device) -> Result<(), String> {
         let m = Tensor::zeros(dev, &[3, 4], dt).map_err(e)?;
         invalid("max", ops::reduce_leading_dims(&m, ReduceOp::Max))?;
         invalid("min", ops::reduce_leading_dims(&m, ReduceOp::Min))?;
+        // The `_out` variant refuses an output of another shape or dtype.
+        let other = if dt == DType::F32 { DType::BF16 } else { DType::F32 };
+        for (shape, odt) in [(vec![3usize], dt), (vec![1, 4], dt), (vec![4], other)] {
+            let mut o = Tensor::zeros(dev, &shape, odt).map_err(e)?;
+            if ops::reduce_leading_dims_out(&m, ReduceOp::Sum, &mut o).is_ok() {
+                return Err(format!("{dt:?}: reduce_leading_dims_out of [3, 4] into {odt:?} {shape:?} succeeded"));
+            }
+        }
     }
     Ok(())
 }

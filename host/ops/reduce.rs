@@ -9,7 +9,7 @@
 //! the kernels combine in a fixed order without atomics, so the same input gives the same bits
 //! on every run.
 
-use super::{rows_cols, with_elem};
+use super::{check_same_device, check_same_dtype, rows_cols, shapes_match, with_elem};
 use crate::DType;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
@@ -430,24 +430,45 @@ fn cols_plan_for(dev: &Device, rows: u64, cols: u64, dt: DType) -> Result<Option
 /// error for a scalar (no last dimension) and for `Max` and `Min` (not implemented).
 pub fn reduce_leading_dims(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
     let name = "reduce_leading_dims";
+    leading_dims_op(name, x, op)?;
+    let (_, cols) = rows_cols(name, x)?;
+    let mut out = Tensor::alloc(name, x.device(), &[cols as usize], x.dtype())?;
+    leading_dims_into(name, x, op, &mut out)?;
+    Ok(out)
+}
+
+/// [`reduce_leading_dims`] into `out` (shape `[C]`, x's last dimension, and x's dtype), e.g. a
+/// bias gradient allocated by another library.
+pub fn reduce_leading_dims_out(x: &Tensor, op: ReduceOp, out: &mut Tensor) -> Result<()> {
+    let name = "reduce_leading_dims_out";
+    leading_dims_op(name, x, op)?;
+    leading_dims_into(name, x, op, out)
+}
+
+fn leading_dims_op(name: &'static str, x: &Tensor, op: ReduceOp) -> Result<()> {
     if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
         return Err(Error::InvalidArgument {
             op: name,
             message: format!("supports Sum and Mean, got {op:?} (shape {:?})", x.shape()),
         });
     }
+    Ok(())
+}
+
+fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Tensor) -> Result<()> {
     let (rows, cols) = rows_cols(name, x)?;
+    check_same_device(name, x, out)?;
+    check_same_dtype(name, x, out)?;
+    shapes_match(name, &[cols as usize], out.shape(), "the output must be [C], x's last dimension")?;
     let (dev, dt) = (x.device(), x.dtype());
-    let shape = [cols as usize];
     if rows == 0 || cols == 0 {
-        return of_nothing(name, x, op, &shape);
+        // The sum of nothing is 0, the mean NaN (as `of_nothing`).
+        return out.fill_(if op == ReduceOp::Sum { 0.0 } else { f32::NAN });
     }
-    let mut out = Tensor::alloc(name, dev, &shape, dt)?;
     let op_ptr = out.dev_ptr_mut::<u8>() as u64;
     // One column is the whole tensor: its reduction spreads over every SM.
     if cols == 1 {
-        launch_whole(name, x, op, op_ptr)?;
-        return Ok(out);
+        return launch_whole(name, x, op, op_ptr);
     }
     let plan = cols_plan_for(dev, rows, cols, dt)?.ok_or_else(|| Error::InvalidArgument {
         op: name,
@@ -462,8 +483,8 @@ pub fn reduce_leading_dims(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
     let s = scale(op, rows);
     with_elem!(dt, |T| {
         let args: ReduceColsArgs<T> = (x.dev_ptr(), pp as *mut f32, op_ptr as *mut T, rows, cols, s);
-        // SAFETY: x holds rows * cols elements of T, out cols; partial (with more than one chunk)
-        // chunks * cols floats, chunks = grid.y; the shared memory is the plan's.
+        // SAFETY: x holds rows * cols elements of T, out cols (checked above); partial (with more
+        // than one chunk) chunks * cols floats, chunks = grid.y; the shared memory is the plan's.
         unsafe { dev.launch(k, plan.cfg, args) }
     })?;
     if plan.chunks > 1 {
@@ -484,7 +505,7 @@ pub fn reduce_leading_dims(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
     }
     // The partials are freed stream-ordered, after stage 2.
     drop(partial);
-    Ok(out)
+    Ok(())
 }
 
 /// Upper bound on the depth of the summation of each column of `reduce_leading_dims(x, Sum |

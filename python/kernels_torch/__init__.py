@@ -42,10 +42,12 @@ else:
     from . import nn
     from ._ops import (
         ACTIVATIONS,
+        LINEAR_ACTIVATIONS,
         cross_entropy,
         gelu,
         layer_norm,
         leaky_relu,
+        linear,
         log_softmax,
         mish,
         relu,
@@ -61,12 +63,14 @@ else:
 
     __all__ = [
         "ACTIVATIONS",
+        "LINEAR_ACTIVATIONS",
         "cross_entropy",
         "cuda_available",
         "cuda_status",
         "gelu",
         "layer_norm",
         "leaky_relu",
+        "linear",
         "log_softmax",
         "mish",
         "nn",

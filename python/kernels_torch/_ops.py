@@ -710,3 +710,224 @@ def cross_entropy(
     log-softmax; no class weights. An out-of-range target (not ``ignore_index``) is a ValueError
     naming its row, which costs a synchronisation with the GPU per call."""
     return _call("cross_entropy", input, target, reduction, ignore_index, label_smoothing)[0]
+
+
+# --- linear layer -------------------------------------------------------------------------------
+#
+# act(x @ W^T + b) on the library's f32 GEMM (CUDA cores, FFMA, no TF32). Three ops:
+# - linear: one kernel, the bias and activation fused into the GEMM's store (inference, and
+#   training with identity or relu, whose backward reads y).
+# - linear_train: the GEMM stores the pre-activation z, then one element-wise pass writes
+#   y = act(z); returns (y, z), z saved for the backward of GELU, GELU-tanh and SiLU.
+# - linear_backward: dz = act'(z) * dy, dx = dz @ W, dW = dz^T @ x, db = column sums of dz, each
+#   only if asked for (an empty tensor otherwise).
+# ``linear(...)`` below picks linear_train when a gradient will be needed and the activation's
+# derivative needs z; the custom op `linear` called directly with gradients recomputes z in its
+# backward (one GEMM more).
+
+LINEAR_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu")
+_NEEDS_PRE = ("gelu", "gelu_tanh", "silu")
+
+
+def _linear_act(op: str, activation: Optional[str]) -> str:
+    act = "identity" if activation is None else activation
+    if act not in LINEAR_ACTIVATIONS:
+        raise ValueError(
+            f"{NS}::{op}: activation {activation!r} is not fused into the GEMM; "
+            f"supported: None, {', '.join(repr(a) for a in LINEAR_ACTIVATIONS)}"
+        )
+    return act
+
+
+def _f32_only(op: str, name: str, t) -> None:
+    if isinstance(t, Tensor) and t.dtype != torch.float32:
+        raise TypeError(
+            f"{NS}::{op}: {name} has dtype {t.dtype}; the linear layer computes in float32 only (the library's "
+            f"GEMM is f32; kernels_torch.nn.Linear falls back to PyTorch for other dtypes)"
+        )
+
+
+def _linear_check(
+    op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Optional[Tensor], int, int, int]:
+    """x, weight, bias as the kernels need them, and (rows, in, out) of x viewed as [rows, in]."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        _f32_only(op, name, t)
+    x = _check(op, "x", x, dtype=torch.float32)
+    weight = _check(op, "weight", weight, like=x)
+    if weight.dim() != 2:
+        raise ValueError(f"{NS}::{op}: weight must be [out_features, in_features], got shape {list(weight.shape)}")
+    out, inp = weight.shape
+    if x.dim() == 0 or x.shape[-1] != inp:
+        raise ValueError(
+            f"{NS}::{op}: x's last dimension must be in_features = {inp} (weight {list(weight.shape)}), "
+            f"got x of shape {list(x.shape)}"
+        )
+    if bias is not None:
+        bias = _check(op, "bias", bias, like=x)
+        if tuple(bias.shape) != (out,):
+            raise ValueError(f"{NS}::{op}: bias has shape {list(bias.shape)}; it must be [{out}] (out_features)")
+    rows = x.numel() // inp if inp else math.prod(x.shape[:-1])
+    return x, weight, bias, rows, inp, out
+
+
+def _out_shape(x: Tensor, weight: Tensor) -> list:
+    return list(x.shape[:-1]) + [weight.shape[0]]
+
+
+@_custom_op("linear", '(Tensor x, Tensor weight, Tensor? bias=None, str activation="identity") -> Tensor')
+def linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity") -> Tensor:
+    op = "linear"
+    act = _linear_act(op, activation)
+    x, weight, bias, rows, inp, out = _linear_check(op, x, weight, bias)
+    y = _new(_out_shape(x, weight), x)
+    dev, stream, _ = _where(x)
+    _native.linear_fwd(
+        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, inp, out
+    )
+    return y
+
+
+@linear_op.register_fake
+def _(x, weight, bias=None, activation="identity"):
+    return x.new_empty(_out_shape(x, weight))
+
+
+@_custom_op(
+    "linear_train", '(Tensor x, Tensor weight, Tensor? bias=None, str activation="identity") -> (Tensor, Tensor)'
+)
+def linear_train_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: str = "identity"
+) -> tuple[Tensor, Tensor]:
+    """``(y, pre)``: ``pre`` is the pre-activation ``x @ W^T + b`` for GELU, GELU-tanh and SiLU, an
+    empty tensor for identity and relu (whose backward reads y)."""
+    op = "linear_train"
+    act = _linear_act(op, activation)
+    if act not in _NEEDS_PRE:
+        return _IMPL["linear"](x, weight, bias, act), x.new_empty([0])
+    x, weight, bias, rows, inp, out = _linear_check(op, x, weight, bias)
+    shape = _out_shape(x, weight)
+    y, pre = _new(shape, x), _new(shape, x)
+    dev, stream, _ = _where(x)
+    _native.linear_train_fwd(
+        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), pre.data_ptr(),
+        rows, inp, out,
+    )  # fmt: skip
+    return y, pre
+
+
+@linear_train_op.register_fake
+def _(x, weight, bias=None, activation="identity"):
+    shape = _out_shape(x, weight)
+    return x.new_empty(shape), x.new_empty(shape if activation in _NEEDS_PRE else [0])
+
+
+@_custom_op("linear_backward")
+def linear_backward_op(
+    x: Tensor,
+    weight: Tensor,
+    saved: Tensor,
+    grad: Tensor,
+    activation: str,
+    x_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of x, weight and bias of ``act(x @ W^T + b)`` from ``grad`` (y's); ``saved`` is the
+    output y for relu, the pre-activation for GELU, GELU-tanh and SiLU (unused for identity). A
+    gradient not asked for is an empty tensor."""
+    op = "linear_backward"
+    act = _linear_act(op, activation)
+    _f32_only(op, "grad", grad)
+    _f32_only(op, "saved", saved)
+    x, weight, _, rows, inp, out = _linear_check(op, x, weight, None)
+    shape = _out_shape(x, weight)
+    grad = _check(op, "grad", grad, like=x)
+    if list(grad.shape) != shape:
+        raise ValueError(f"{NS}::{op}: grad has shape {list(grad.shape)}, the output {shape}")
+    dz = None
+    if act != "identity":
+        saved = _check(op, "saved", saved, like=x)
+        if list(saved.shape) != shape:
+            raise ValueError(f"{NS}::{op}: saved has shape {list(saved.shape)}, the output {shape}")
+        dz = _new(shape, x)
+    gx = _new(x.shape if x_grad else [0], x)
+    gw = _new(weight.shape if weight_grad else [0], x)
+    gb = _new([out] if bias_grad else [0], x)
+    dev, stream, _ = _where(x)
+    _native.linear_bwd(
+        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), 0 if dz is None else saved.data_ptr(),
+        grad.data_ptr(), _ptr(dz), gx.data_ptr() if x_grad else 0, gw.data_ptr() if weight_grad else 0,
+        gb.data_ptr() if bias_grad else 0, rows, inp, out,
+    )  # fmt: skip
+    return gx, gw, gb
+
+
+@linear_backward_op.register_fake
+def _(x, weight, saved, grad, activation, x_grad, weight_grad, bias_grad):
+    return (
+        x.new_empty(x.shape if x_grad else [0]),
+        x.new_empty(weight.shape if weight_grad else [0]),
+        x.new_empty([weight.shape[0]] if bias_grad else [0]),
+    )
+
+
+def _linear_want(ctx, x, weight, bias) -> None:
+    ctx.want = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+
+
+def _linear_grads(ctx, x, weight, saved, grad, act):
+    xg, wg, bg = ctx.want
+    gx, gw, gb = _bwd(ctx, "linear_backward")(x, weight, saved, grad, act, xg, wg, bg)
+    return (gx if xg else None), (gw if wg else None), (gb if bg else None)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, act = inputs
+    ctx.act = act
+    _linear_want(ctx, x, weight, bias)
+    # relu's derivative is read off the output (y > 0 exactly where x @ W^T + b > 0); GELU and
+    # SiLU need the pre-activation, which this op does not keep: the backward recomputes it.
+    ctx.save_for_backward(x, weight, bias, output)
+
+
+def _linear_backward(ctx, grad):
+    x, weight, bias, y = ctx.saved_tensors
+    saved = y
+    if ctx.act in _NEEDS_PRE:
+        saved = _bwd(ctx, "linear")(x, weight, bias, "identity")
+    return _linear_grads(ctx, x, weight, saved, grad, ctx.act) + (None,)
+
+
+_autograd(linear_op, "linear", _linear_backward, _linear_setup)
+
+
+def _linear_train_setup(ctx, inputs, output):
+    x, weight, bias, act = inputs
+    y, pre = output
+    ctx.act = act
+    _linear_want(ctx, x, weight, bias)
+    ctx.save_for_backward(x, weight, pre if act in _NEEDS_PRE else y)
+    ctx.mark_non_differentiable(pre)
+
+
+def _linear_train_backward(ctx, grad, _gpre):
+    x, weight, saved = ctx.saved_tensors
+    return _linear_grads(ctx, x, weight, saved, grad, ctx.act) + (None,)
+
+
+_autograd(linear_train_op, "linear_train", _linear_train_backward, _linear_train_setup)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+    """``act(F.linear(x, weight, bias))`` for float32 CUDA tensors: ``x [..., in]``, ``weight
+    [out, in]``, ``bias [out]``; ``activation`` None (identity), ``"relu"``, ``"gelu"``,
+    ``"gelu_tanh"`` or ``"silu"``. Forward: one GEMM with the bias and activation fused into its
+    store; when a gradient will be needed and the activation is GELU or SiLU, the GEMM stores the
+    pre-activation and one element-wise pass applies the activation. Backward: two GEMMs (dx,
+    dW), a column sum (db) and, except for identity, one element-wise pass (dz)."""
+    act = _linear_act("linear", activation)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if grad and act in _NEEDS_PRE:
+        return _call("linear_train", x, weight, bias, act)[0]
+    return _call("linear", x, weight, bias, act)

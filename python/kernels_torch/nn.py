@@ -21,6 +21,7 @@ __all__ = [
     "GELU",
     "LayerNorm",
     "LeakyReLU",
+    "Linear",
     "LogSoftmax",
     "Mish",
     "RMSNorm",
@@ -155,6 +156,47 @@ class FusedBiasAct(torch.nn.Module):
             return _ops.scale_bias_act(x, self.scale, self.bias, self.activation, *self.params)
         a, b = _ops._act_params(self.params)
         return _torch_activation(x * self.scale + self.bias, self.activation, a, b)
+
+
+def _autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda")
+    except TypeError:  # PyTorch before 2.4: no device argument
+        return torch.is_autocast_enabled()
+
+
+class Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` followed by an optional activation, ``act(x @ W^T + b)``: the bias and
+    the activation (``None``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``) are fused into
+    the GEMM's store. Same constructor (``activation`` is keyword-only), parameters and
+    ``state_dict`` as ``torch.nn.Linear``.
+
+    The library's GEMM is f32 (CUDA cores, no TF32): float32 CUDA tensors run the kernels;
+    float16, bfloat16, float64, CPU tensors and autocast regions run PyTorch's ``F.linear`` and
+    activation.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        activation: Optional[str] = None,
+    ) -> None:
+        act = _ops._linear_act("Linear", activation)  # refused before any allocation
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = act
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and _ours(x, self.weight, self.bias) and not _autocast():
+            return _ops.linear(x, self.weight, self.bias, self.activation)
+        return _torch_activation(F.linear(x, self.weight, self.bias), self.activation, 0.0, 0.0)
 
 
 class Softmax(torch.nn.Softmax):

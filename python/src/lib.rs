@@ -13,7 +13,9 @@
 //! (alignment, shapes against the op's own checks) and turns every library error into a Python
 //! exception naming the op.
 
-use kernels::ops::{self, Activation, CrossEntropyOpts, NormGrads, NormStats, Reduction, ScaleBiasActGrads};
+use kernels::ops::{
+    self, Activation, CrossEntropyOpts, Gemm, NormGrads, NormStats, ReduceOp, Reduction, ScaleBiasActGrads,
+};
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -450,6 +452,151 @@ fn cross_entropy_bwd(
     c.run(py, || ops::cross_entropy_backward_out(&logits, &target, &saved, &g, &mut gx))
 }
 
+/// An activation the GEMM fuses into its store (identity, relu, GELU, GELU-tanh, SiLU), by its
+/// code in `ACTIVATIONS`.
+fn linear_activation(code: u8) -> PyResult<Activation> {
+    let act = activation(code, 0.0, 0.0)?;
+    if ops::fused_activation(act).is_none() {
+        return Err(PyValueError::new_err(format!(
+            "linear: activation {act:?} is not fused into the GEMM (identity, relu, gelu, gelu_tanh, silu are)"
+        )));
+    }
+    Ok(act)
+}
+
+/// The linear layer's operands as matrices: `x [rows, inp]`, `weight [out, inp]`, `bias [out]`
+/// (0: none); all f32 (the GEMM computes in f32 only).
+///
+/// # Safety
+/// As `Call::t`, for f32 tensors of those sizes.
+unsafe fn linear_operands(
+    c: &Call,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    (rows, inp, out): (usize, usize, usize),
+) -> PyResult<(Tensor, Tensor, Option<Tensor>)> {
+    // SAFETY: the caller's contract.
+    unsafe { Ok((c.t(x, &[rows, inp])?, c.t(weight, &[out, inp])?, c.opt(bias, &[out])?)) }
+}
+
+/// `act(x @ weight^T + bias)` into `y` (`[rows, out]`), one GEMM with the bias and activation
+/// fused into its store. f32 only: the Python layer refuses other dtypes.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn linear_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    act: u8,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    y: u64,
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, 0)?;
+    let act = linear_activation(act)?;
+    // SAFETY: see `activation_fwd`; all four are f32 (dtype code 0).
+    let ((x, w, b), mut y) =
+        unsafe { (linear_operands(&c, x, weight, bias, (rows, inp, out))?, c.t(y, &[rows, out])?) };
+    c.run(py, || ops::gemm_ex(&x, &w, &mut y, Gemm::new(false, true), b.as_ref(), act))
+}
+
+/// The training forward: the pre-activation `z = x @ weight^T + bias` into `pre` (one GEMM), then
+/// `y = act(z)` (one element-wise pass), both `[rows, out]`; the backward of GELU and SiLU needs
+/// `z`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn linear_train_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    act: u8,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    y: u64,
+    pre: u64,
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, 0)?;
+    let act = linear_activation(act)?;
+    let s = [rows, out];
+    // SAFETY: see `linear_fwd`.
+    let ((x, w, b), mut y, mut z) =
+        unsafe { (linear_operands(&c, x, weight, bias, (rows, inp, out))?, c.t(y, &s)?, c.t(pre, &s)?) };
+    c.run(py, || {
+        ops::gemm_ex(&x, &w, &mut z, Gemm::new(false, true), b.as_ref(), Activation::Identity)?;
+        ops::unary_out(&z, act, &mut y)
+    })
+}
+
+/// Gradients of `y = act(x @ weight^T + bias)` from `g` (y's gradient, `[rows, out]`), each into
+/// its output where given (not 0): `gx [rows, inp] = dz @ weight`, `gw [out, inp] = dz^T @ x`
+/// (the GEMM reads dz transposed in place), `gb [out]` = the column sums of dz, where `dz =
+/// act'(z) * g` is written into `dz` (`[rows, out]`, scratch) from `saved`: the output y for
+/// relu, the pre-activation z for GELU, GELU-tanh and SiLU. Identity uses neither (dz is g).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    act: u8,
+    x: u64,
+    weight: u64,
+    saved: u64,
+    g: u64,
+    dz: u64,
+    gx: u64,
+    gw: u64,
+    gb: u64,
+    rows: usize,
+    inp: usize,
+    out: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, 0)?;
+    let act = linear_activation(act)?;
+    let s = [rows, out];
+    let identity = matches!(act, Activation::Identity);
+    // SAFETY: see `linear_fwd`; the optional ones are absent when 0.
+    let ((x, w, _), g, saved, mut dz, mut gx, mut gw, mut gb) = unsafe {
+        (
+            linear_operands(&c, x, weight, 0, (rows, inp, out))?,
+            c.t(g, &s)?,
+            if identity { None } else { Some(c.t(saved, &s)?) },
+            if identity { None } else { Some(c.t(dz, &s)?) },
+            c.opt(gx, &[rows, inp])?,
+            c.opt(gw, &[out, inp])?,
+            c.opt(gb, &[out])?,
+        )
+    };
+    c.run(py, || {
+        let dz: &Tensor = match (saved, dz.as_mut()) {
+            (Some(saved), Some(dz)) => {
+                ops::unary_backward_out(&saved, &g, act, dz)?;
+                dz
+            }
+            _ => &g,
+        };
+        if let Some(gx) = gx.as_mut() {
+            ops::gemm_ex(dz, &w, gx, Gemm::default(), None, Activation::Identity)?;
+        }
+        if let Some(gw) = gw.as_mut() {
+            ops::gemm_ex(dz, &x, gw, Gemm::new(true, false), None, Activation::Identity)?;
+        }
+        if let Some(gb) = gb.as_mut() {
+            ops::reduce_leading_dims_out(dz, ReduceOp::Sum, gb)?;
+        }
+        Ok(())
+    })
+}
+
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
 /// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
 #[pyfunction]
@@ -476,5 +623,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(norm_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_train_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_bwd, m)?)?;
     Ok(())
 }

@@ -42,6 +42,63 @@ def test_modules_fall_back_to_pytorch_on_cpu():
     assert m.bias.grad is not None and m.scale.grad is not None and x.grad is not None
 
 
+def test_linear_module_falls_back_to_pytorch_on_cpu():
+    """CPU tensors (float32 and float64): PyTorch's F.linear and activation, bit for bit, with
+    gradients; the same parameters and state_dict keys as torch.nn.Linear."""
+    torch.manual_seed(1)
+    acts = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+            "silu": F.silu}  # fmt: skip
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, 5, 16, dtype=dtype, requires_grad=True)
+        for act, f in acts.items():
+            for bias in (True, False):
+                m = knn.Linear(16, 8, bias, dtype=dtype, activation=act)
+                ref = torch.nn.Linear(16, 8, bias, dtype=dtype)
+                ref.load_state_dict(m.state_dict())
+                assert set(m.state_dict()) == set(ref.state_dict())
+                assert isinstance(m, torch.nn.Linear) and m.activation == (act or "identity")
+                assert torch.equal(m(x), f(ref(x))), (act, bias, dtype)
+                gs = torch.autograd.grad(m(x).sum(), [x] + list(m.parameters()))
+                rgs = torch.autograd.grad(f(ref(x)).sum(), [x] + list(ref.parameters()))
+                for a, b in zip(gs, rgs):
+                    assert torch.equal(a, b), (act, bias, dtype)
+    assert "activation='silu'" in repr(knn.Linear(4, 2, activation="silu"))
+
+
+def test_linear_refuses_cpu_and_other_dtypes_and_activations():
+    x, w, b = torch.randn(4, 8), torch.randn(3, 8), torch.randn(3)
+    for f in (kt.linear, torch.ops.rustkernels.linear):
+        with pytest.raises(ValueError, match="x is on cpu; the kernels run on CUDA tensors only"):
+            f(x, w, b, "relu")
+    for dt in (torch.float16, torch.bfloat16):
+        with pytest.raises(TypeError, match="the linear layer computes in float32 only"):
+            torch.ops.rustkernels.linear(x.to(dt), w.to(dt), b.to(dt), "relu")
+    with pytest.raises(ValueError, match="activation 'mish' is not fused"):
+        knn.Linear(8, 3, activation="mish")
+    with pytest.raises(ValueError, match="activation 'tanh' is not fused"):
+        kt.linear(x, w, b, "tanh")
+
+
+def test_linear_fake_implementations_and_autograd_wiring_on_meta_tensors():
+    x = torch.empty(3, 5, 8, device="meta", requires_grad=True)
+    w = torch.empty(4, 8, device="meta", requires_grad=True)
+    b = torch.empty(4, device="meta", requires_grad=True)
+    ops = torch.ops.rustkernels
+    for act in kt.LINEAR_ACTIVATIONS:
+        for f, bias in [(kt.linear, b), (kt.linear, None), (ops.linear, b), (lambda *a: ops.linear_train(*a)[0], b)]:
+            y = f(x, w, bias, act)
+            assert y.shape == (3, 5, 4) and y.device.type == "meta", act
+            gs = torch.autograd.grad(y.sum(), [x, w, b], allow_unused=True)
+            assert [None if g is None else tuple(g.shape) for g in gs] == [
+                (3, 5, 8), (4, 8), (4,) if bias is not None else None
+            ], act  # fmt: skip
+        y, pre = ops.linear_train(x.detach(), w.detach(), None, act)
+        assert pre.shape == ((3, 5, 4) if act in ("gelu", "gelu_tanh", "silu") else (0,)), act
+    gx, gw, gb = ops.linear_backward(x.detach(), w.detach(), torch.empty(3, 5, 4, device="meta"),
+                                     torch.empty(3, 5, 4, device="meta"), "gelu", False, True, True)  # fmt: skip
+    assert gx.shape == (0,) and gw.shape == (4, 8) and gb.shape == (4,)
+
+
 def test_modules_keep_pytorch_state_dicts():
     ref = torch.nn.LayerNorm(16)
     ours = knn.LayerNorm(16)
@@ -77,8 +134,12 @@ def test_schemas():
     assert str(ops.softplus.default._schema) == "rustkernels::softplus(Tensor x, float beta=1., float threshold=20.) -> Tensor"
     assert str(ops.gelu_backward.default._schema) == "rustkernels::gelu_backward(Tensor x, Tensor grad) -> Tensor"
     for name in ["relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "mish", "softplus",
-                 "scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy"]:  # fmt: skip
+                 "scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy", "linear"]:  # fmt: skip
         assert hasattr(ops, name) and hasattr(ops, name + "_backward"), name
+    assert str(ops.linear.default._schema) == (
+        'rustkernels::linear(Tensor x, Tensor weight, Tensor? bias=None, str activation="identity") -> Tensor'
+    )
+    assert hasattr(ops, "linear_train")
 
 
 def test_fake_implementations_and_autograd_wiring_on_meta_tensors():

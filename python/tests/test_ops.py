@@ -358,22 +358,34 @@ def test_modules_use_the_kernels_on_cuda_and_pytorch_elsewhere():
 
 def test_eager_path_and_custom_op_path_agree():
     """The functions take a thin eager path (an autograd.Function calling the implementations);
-    the custom ops (torch.ops.rustkernels.*) run the same kernels: the same bits both ways."""
+    the custom ops (torch.ops.rustkernels.*) run the same kernels: the same bits both ways.
+
+    Each pair is differentiated with respect to exactly the inputs it uses (autograd.grad refuses
+    an input that is not in the graph), and must return a gradient for every one of them."""
     x = randn(32, 128, seed=70).requires_grad_()
     w = randn(128, seed=71).requires_grad_()
     g = randn(32, 128, seed=72)
+    lw = (randn(128, 128, seed=73) / 16).requires_grad_()  # a linear layer's weight and bias
+    lb = randn(128, seed=74).requires_grad_()
     ops = torch.ops.rustkernels
     pairs = [
-        (lambda x, w: kt.silu(x), lambda x, w: ops.silu(x)),
-        (lambda x, w: kt.layer_norm(x, [128], w), lambda x, w: ops.layer_norm(x, [128], w, None, 1e-5)[0]),
-        (lambda x, w: kt.log_softmax(x), lambda x, w: ops.log_softmax(x)),
-    ]
-    for eager, op in pairs:
-        ye, ge = our_grads(eager, [x, w], g)
-        yo, go = our_grads(op, [x, w], g)
-        assert torch.equal(ye, yo)
-        for a, b in zip(ge, go):
-            assert torch.equal(a, b)
+        ("silu", kt.silu, ops.silu, [x]),
+        ("layer_norm", lambda x, w: kt.layer_norm(x, [128], w), lambda x, w: ops.layer_norm(x, [128], w, None, 1e-5)[0],
+         [x, w]),
+        ("log_softmax", kt.log_softmax, ops.log_softmax, [x]),
+        ("linear relu", lambda x, w, b: kt.linear(x, w, b, "relu"), lambda x, w, b: ops.linear(x, w, b, "relu"),
+         [x, lw, lb]),
+        ("linear gelu", lambda x, w, b: kt.linear(x, w, b, "gelu"), lambda x, w, b: ops.linear_train(x, w, b, "gelu")[0],
+         [x, lw, lb]),
+    ]  # fmt: skip
+    for name, eager, op, inputs in pairs:
+        ye, ge = our_grads(eager, inputs, g)
+        yo, go = our_grads(op, inputs, g)
+        assert len(ge) == len(go) == len(inputs), name
+        assert torch.equal(ye, yo), name
+        for i, (a, b) in enumerate(zip(ge, go)):
+            assert a is not None and b is not None, f"{name}: no gradient for input {i}"
+            assert torch.equal(a, b), f"{name}: gradients of input {i} differ"
 
 
 def test_torch_compile_fullgraph():

@@ -1,0 +1,382 @@
+"""The linear layer, ``act(x @ W^T + b)`` (``kernels_torch.linear``, ``torch.ops.rustkernels.linear``,
+``linear_train``, ``linear_backward``, ``kernels_torch.nn.Linear``), on the GPU, against PyTorch's
+``F.linear`` and activation run in float64 on the same f32 inputs.
+
+Tolerance: a worst-case bound per element, not a fitted one (none was widened to pass).
+``u = 2^-24`` is f32's unit roundoff. Each pre-activation ``z = sum_k x_k w_k + b`` is a sum of K
+products and the bias accumulated in f32 with FMAs, in some order (one running sum per thread, or
+split-K's ``s <= K / 512`` slices added in order); any such summation errs by at most ``(K + s) u
+S`` to first order, ``S = sum_k |x_k w_k| + |b|``, and the store adds a few roundings: ``|z -
+z_exact| <= (K + s + 4) u S`` (the bound of the library's GEMM tests, ``tests/gemm.rs``). The
+activation passes that error on with its slope (at most 1.13 for GELU, 1.1 for SiLU; 1.2 is used)
+and adds its own error (the library's element-wise bounds, ``tests/common/reference.rs``:
+SiLU 5 ulp, GELU 4 ulp + 2|z| ulp absolute, GELU-tanh 6 ulp + 4|z| ulp; relu and identity exact).
+Backward: ``dz = act'(z) dy`` carries the activation backward's bound plus z's error times
+``|act''| <= 0.8`` (GELU's largest; SiLU's is 0.5), or, for relu, where ``|z|`` is within z's
+error, all of ``|dy|`` (the sign of z may flip); ``dx = dz W``, ``dW = dz^T x`` add ``(K' + s + 4)
+u S'`` for their own sums (K' = out and rows) and pass dz's error on through ``|W|`` and ``|x|``;
+``db``, a column sum of ``rows`` terms in some order, adds ``(rows + 4) u sum |dz|``. The tests
+also print the largest error as a fraction of its bound (typically near ``sqrt(K) / K`` of it:
+random rounding errors cancel).
+"""
+
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import kernels_torch as kt  # noqa: E402
+from kernels_torch import nn as knn  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+U = 2.0**-24  # f32 unit roundoff
+ULP = 2.0**-23  # f32 ulp of 1 (the element-wise bounds are stated in it)
+ACTS = ["identity", "relu", "gelu", "gelu_tanh", "silu"]
+REF = {
+    "identity": lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+SLOPE = {"identity": 1.0, "relu": 1.0, "gelu": 1.2, "gelu_tanh": 1.2, "silu": 1.2}
+
+
+def randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV) * scale
+
+
+def sum_terms(k: int) -> int:
+    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 512), 4."""
+    return k + k // 512 + 4
+
+
+def act_fwd_tol(act, z, y):
+    az = z.abs()
+    if act == "silu":
+        return 5 * ULP * y.abs() + 3e-37
+    if act == "gelu":
+        return 4 * ULP * y.abs() + 2 * ULP * az
+    if act == "gelu_tanh":
+        return 6 * ULP * y.abs() + 4 * ULP * az
+    return torch.zeros_like(y)
+
+
+def act_bwd_tol(act, z, dy, dz):
+    # Derivative formulas chain up to 8 roundings (16 ulp relative) and cancel at an absolute
+    # scale of |dy| (2 + |z|) ulp (tests/common/reference.rs, act_bwd_tol).
+    ad = dy.abs()
+    return 16 * ULP * dz.abs() + ad * (2 + z.abs()) * 8 * ULP + ad * z * z * ULP
+
+
+class Reference:
+    """F.linear and the activation in float64 on the f32 inputs, their gradients given dy, and
+    the error bounds of the module docstring."""
+
+    def __init__(self, x, w, b, act, dy):
+        k, out = w.shape[1], w.shape[0]
+        xd = x.detach().double().requires_grad_()
+        wd = w.detach().double().requires_grad_()
+        bd = b.detach().double().requires_grad_() if b is not None else None
+        z = F.linear(xd, wd, bd)
+        y = REF[act](z)
+        dyd = dy.double()
+        leaves = [xd, wd] + ([bd] if bd is not None else [])
+        grads = torch.autograd.grad(y, leaves, dyd)
+        self.y, self.dx, self.dw = y.detach(), grads[0], grads[1]
+        self.db = grads[2] if bd is not None else None
+        z = z.detach()
+        x2, z2, dy2 = xd.detach().reshape(-1, k), z.reshape(-1, out), dyd.reshape(-1, out)
+        rows = x2.shape[0]
+        s = x2.abs() @ wd.detach().abs().T
+        if bd is not None:
+            s = s + bd.detach().abs()
+        zerr = sum_terms(k) * U * s
+        self.ytol = (SLOPE[act] * zerr + act_fwd_tol(act, z2, self.y.reshape(-1, out))).reshape(self.y.shape)
+        # dz = act'(z) dy, exactly, and its error bound.
+        zl = z2.clone().requires_grad_()
+        dz = torch.autograd.grad(REF[act](zl), zl, dy2)[0].abs()
+        if act == "identity":
+            dzerr = torch.zeros_like(dz)
+        elif act == "relu":
+            dzerr = torch.where(z2.abs() <= zerr, dy2.abs(), torch.zeros_like(dz))
+        else:
+            dzerr = 0.8 * dy2.abs() * zerr + act_bwd_tol(act, z2, dy2, dz)
+        wa, xa = wd.detach().abs(), x2.abs()
+        self.dxtol = (sum_terms(out) * U * dz @ wa + dzerr @ wa).reshape(x.shape)
+        self.dwtol = sum_terms(rows) * U * dz.T @ xa + dzerr.T @ xa
+        self.dbtol = (rows + 4) * U * dz.sum(0) + dzerr.sum(0)
+
+
+def within(what, ours, ref, tol) -> float:
+    """Every element of ours within tol of ref (NaN fails); returns the largest error / bound."""
+    assert ours.dtype == torch.float32, f"{what}: dtype {ours.dtype}"
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)}, expected {tuple(ref.shape)}"
+    err = (ours.double() - ref).abs()
+    bad = ~(err <= tol)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {ref.numel()} elements beyond the bound; first at {i}: "
+            f"ours {ours[i].item()!r}, exact {ref[i].item()!r}, error {err[i].item():.3e}, bound {tol[i].item():.3e}"
+        )
+    return (err / tol.clamp_min(1e-300)).max().item() if ref.numel() else 0.0
+
+
+def check_layer(f, x, w, b, act, dy, what):
+    """f(x, w, b) forward and backward against the reference; returns the worst error / bound."""
+    r = Reference(x, w, b, act, dy)
+    # detach() keeps the storage, offset and strides: views stay views.
+    leaves = [t.detach().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    y = f(*leaves) if b is not None else f(*leaves, None)
+    grads = torch.autograd.grad(y, leaves, dy)
+    worst = within(f"{what} y", y.detach(), r.y, r.ytol)
+    worst = max(worst, within(f"{what} dx", grads[0], r.dx, r.dxtol))
+    worst = max(worst, within(f"{what} dW", grads[1], r.dw, r.dwtol))
+    if b is not None:
+        worst = max(worst, within(f"{what} db", grads[2], r.db, r.dbtol))
+    return worst
+
+
+# (x's shape, out_features): primes, ones, a 3-D input, a split-K product (one 128 x 128 tile of
+# output and K = 2048: the GEMM splits K to fill the GPU), an output wider than one tile.
+SHAPES = [((257, 129), 67), ((1, 1), 1), ((3, 7, 64), 31), ((5, 13), 1031), ((64, 2048), 96), ((2, 3, 5, 40), 7)]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_against_float64(act, bias):
+    worst = 0.0
+    for n, (shape, out) in enumerate(SHAPES):
+        k = shape[-1]
+        x = randn(*shape, seed=10 + n)
+        w = randn(out, k, scale=1 / math.sqrt(k), seed=20 + n)
+        b = randn(out, seed=30 + n) if bias else None
+        dy = randn(*shape[:-1], out, seed=40 + n)
+        f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
+        worst = max(worst, check_layer(f, x, w, b, act, dy, f"{act} {shape} -> {out}"))
+    print(f"linear {act} bias={bias}: largest error {worst:.3f} of the bound")
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+def test_linear_custom_ops_directly(act):
+    """The custom ops as torch.ops calls: linear (whose backward recomputes the pre-activation for
+    GELU and SiLU) and linear_train, forward and backward, against the reference."""
+    ops = torch.ops.rustkernels
+    x, w, b = randn(33, 70, seed=50), randn(45, 70, scale=0.12, seed=51), randn(45, seed=52)
+    dy = randn(33, 45, seed=53)
+    check_layer(lambda x, w, b: ops.linear(x, w, b, act), x, w, b, act, dy, f"ops.linear {act}")
+    check_layer(lambda x, w, b: ops.linear_train(x, w, b, act)[0], x, w, b, act, dy, f"ops.linear_train {act}")
+
+
+def test_linear_gradients_only_where_needed():
+    """A gradient is computed only for the inputs that need one (the first layer's x has none)."""
+    x, w, b = randn(16, 24, seed=54), randn(8, 24, seed=55).requires_grad_(), randn(8, seed=56).requires_grad_()
+    y = kt.linear(x, w, b, "gelu")
+    gw, gb = torch.autograd.grad(y.sum(), [w, b])
+    r = Reference(x, w, b, "gelu", torch.ones_like(y))
+    within("dW", gw, r.dw, r.dwtol)
+    within("db", gb, r.db, r.dbtol)
+    _, gw2, gb2 = torch.ops.rustkernels.linear_backward(
+        x, w.detach(), x.new_empty(16, 8), y.detach(), "identity", False, True, False
+    )
+    assert gw2.shape == (8, 24) and gb2.numel() == 0
+
+
+def test_linear_empty_shapes():
+    """No rows: an empty output, a zero weight and bias gradient; no inputs (in_features = 0):
+    act(bias), as F.linear."""
+    w, b = randn(8, 16, seed=57).requires_grad_(), randn(8, seed=58).requires_grad_()
+    x = torch.empty(0, 16, device=DEV, requires_grad=True)
+    y = kt.linear(x, w, b, "silu")
+    assert y.shape == (0, 8)
+    gx, gw, gb = torch.autograd.grad(y.sum(), [x, w, b])
+    assert gx.shape == (0, 16) and torch.equal(gw, torch.zeros_like(gw)) and torch.equal(gb, torch.zeros_like(gb))
+    x0, w0 = torch.empty(5, 0, device=DEV), torch.empty(3, 0, device=DEV)
+    b0 = randn(3, seed=59)
+    for act in ACTS:
+        torch.testing.assert_close(kt.linear(x0, w0, b0, act), REF[act](b0.double()).float().expand(5, 3))
+    assert torch.equal(kt.linear(x0, w0, None, "relu"), torch.zeros(5, 3, device=DEV))
+
+
+def test_linear_gradcheck_f32():
+    """Finite differences in f32 (the GEMM has no f64). Here K = 5 and S = sum |x w| + |b| is about
+    1.2, so each evaluation errs by at most (K + 4) u S = 7e-7 in z plus the activation's few ulp
+    of values near 1 (under 1e-6), and a central difference (two evaluations over 2 eps, eps =
+    1e-3) by at most 1.7e-3, under the atol of 2e-3; the truncation error is about eps^2 / 6 =
+    2e-7. Relu is left out (its kink)."""
+    x = randn(3, 5, scale=0.5, seed=60).requires_grad_()
+    w = randn(4, 5, scale=0.5, seed=61).requires_grad_()
+    b = randn(4, scale=0.5, seed=62).requires_grad_()
+    ops = torch.ops.rustkernels
+    for act in ["identity", "gelu", "gelu_tanh", "silu"]:
+        for name, f in [("kt.linear", lambda x, w, b: kt.linear(x, w, b, act)),
+                        ("ops.linear", lambda x, w, b: ops.linear(x, w, b, act))]:  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "not a double precision floating point"
+                assert torch.autograd.gradcheck(f, [x, w, b], eps=1e-3, atol=2e-3, rtol=2e-2), f"{name} {act}"
+
+
+def test_linear_opcheck():
+    ops = torch.ops.rustkernels
+    x = randn(8, 24, seed=63).requires_grad_()
+    w = randn(16, 24, scale=0.2, seed=64).requires_grad_()
+    b = randn(16, seed=65).requires_grad_()
+    z = F.linear(x, w, b).detach()
+    g = randn(8, 16, seed=66)
+    cases = [
+        (ops.linear, (x, w, b, "gelu")),
+        (ops.linear, (x, w, None, "relu")),
+        (ops.linear, (x.detach().view(2, 4, 24), w, b, "identity")),
+        (ops.linear_train, (x, w, b, "silu")),
+        (ops.linear_train, (x, w, b, "relu")),
+        (ops.linear_backward, (x.detach(), w.detach(), z, g, "gelu", True, True, True)),
+        (ops.linear_backward, (x.detach(), w.detach(), F.relu(z), g, "relu", False, True, False)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_linear_runs_on_the_current_stream():
+    """On a side stream, after a long sleep on it, forward and backward must see what the stream
+    computed before them; the reference runs after the streams are joined."""
+    x0 = randn(512, 256, seed=67)
+    w = randn(384, 256, scale=1 / 16, seed=68).requires_grad_()
+    b = randn(384, seed=69).requires_grad_()
+    dy = randn(512, 384, seed=70)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time on s
+        x = x0 * 3  # on s, after the sleep
+        y = kt.linear(x, w, b, "gelu")
+        gw, gb = torch.autograd.grad(y, [w, b], dy)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    r = Reference(x0 * 3, w, b, "gelu", dy)
+    within("y on a side stream", y.detach(), r.y, r.ytol)
+    within("dW on a side stream", gw, r.dw, r.dwtol)
+    within("db on a side stream", gb, r.db, r.dbtol)
+
+
+def test_linear_views_with_offsets_and_strides():
+    """An aligned offset view is used in place; a misaligned one, a transposed weight and a
+    strided bias are copied first; the results are the same as for the contiguous tensors."""
+    base = randn(65, 64, seed=71)
+    x = base[1:]  # offset 64 floats: aligned
+    assert x.storage_offset() == 64 and x.is_contiguous()
+    w = randn(64, 48, scale=0.125, seed=72).t()  # [48, 64], not contiguous
+    flat = randn(4099, seed=73)
+    xm = flat[3:].view(64, 64)  # offset 12 bytes: misaligned
+    assert xm.data_ptr() % 16 != 0
+    bs = randn(96, seed=74)[::2]  # stride 2
+    dy = randn(64, 48, seed=75)
+    for name, xv in [("offset view", x), ("misaligned view", xm)]:
+        check_layer(lambda x, w, b: kt.linear(x, w, b, "silu"), xv, w, bs, "silu", dy, name)
+        assert torch.equal(
+            kt.linear(xv, w, bs, "relu"), kt.linear(xv.contiguous(), w.contiguous(), bs.contiguous(), "relu")
+        )
+    assert flat.isfinite().all() and base.isfinite().all()  # the inputs were not written
+
+
+def test_linear_refusals():
+    ops = torch.ops.rustkernels
+    x, w, b = randn(4, 8), randn(3, 8), randn(3)
+    for dt in (torch.float16, torch.bfloat16):
+        for f in (ops.linear, ops.linear_train, kt.linear):
+            with pytest.raises(TypeError, match=f"x has dtype {dt}; the linear layer computes in float32 only"):
+                f(x.to(dt), w.to(dt), b.to(dt), "relu")
+        with pytest.raises(TypeError, match=f"weight has dtype {dt}"):
+            ops.linear(x, w.to(dt), b, "identity")
+        with pytest.raises(TypeError, match=f"bias has dtype {dt}"):
+            kt.linear(x, w, b.to(dt))
+    with pytest.raises(ValueError, match="x is on cpu"):
+        ops.linear(x.cpu(), w.cpu(), b.cpu(), "relu")
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        kt.linear(x, w.cpu(), b)
+    with pytest.raises(ValueError, match="in_features = 8"):
+        kt.linear(randn(4, 7), w, b)
+    with pytest.raises(ValueError, match=r"bias has shape \[4\]"):
+        kt.linear(x, w, randn(4))
+    with pytest.raises(ValueError, match="must be \\[out_features, in_features\\]"):
+        kt.linear(x, randn(8), None)
+    with pytest.raises(ValueError, match="'mish' is not fused"):
+        kt.linear(x, w, b, "mish")
+
+
+def test_linear_module_uses_the_kernels_for_f32_cuda_and_pytorch_otherwise():
+    import kernels_torch._ops as ops_mod
+
+    calls = {"linear_fwd": 0, "linear_train_fwd": 0}
+    orig = {k: getattr(ops_mod._native, k) for k in calls}
+
+    def spy(name):
+        def f(*a):
+            calls[name] += 1
+            return orig[name](*a)
+
+        return f
+
+    torch.manual_seed(0)
+    m = knn.Linear(32, 16, activation="gelu", device=DEV)
+    ref = torch.nn.Linear(32, 16, device=DEV)
+    ref.load_state_dict(m.state_dict())
+    x = randn(8, 32, seed=76)
+    for k in calls:
+        setattr(ops_mod._native, k, spy(k))
+    try:
+        with torch.no_grad():
+            y = m(x)  # inference: one fused kernel
+        assert calls == {"linear_fwd": 1, "linear_train_fwd": 0}
+        m(x).sum().backward()  # training with GELU: z kept for the backward
+        assert calls == {"linear_fwd": 1, "linear_train_fwd": 1}
+        r = Reference(x, m.weight, m.bias, "gelu", torch.ones(8, 16, device=DEV))
+        within("module y", y, r.y, r.ytol)
+        within("module dW", m.weight.grad, r.dw, r.dwtol)
+        # bf16 parameters and input, float64, autocast: PyTorch's F.linear and activation.
+        mb = knn.Linear(32, 16, activation="relu", device=DEV, dtype=torch.bfloat16)
+        xb = x.bfloat16()
+        assert torch.equal(mb(xb), F.relu(F.linear(xb, mb.weight, mb.bias)))
+        md = knn.Linear(32, 16, activation="silu", device=DEV, dtype=torch.float64)
+        assert torch.equal(md(x.double()), F.silu(F.linear(x.double(), md.weight, md.bias)))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ya = m(x)
+            assert ya.dtype == torch.bfloat16
+            assert torch.equal(ya, F.gelu(ref(x)))
+        assert calls == {"linear_fwd": 1, "linear_train_fwd": 1}
+    finally:
+        for k, f in orig.items():
+            setattr(ops_mod._native, k, f)
+
+
+def test_linear_module_torch_compile_fullgraph():
+    """A small MLP of kernels_torch.nn.Linear compiled with fullgraph=True: the custom ops in the
+    graph, forward and backward, give the same bits as eager mode (the same kernels on the same
+    inputs)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        knn.Linear(64, 128, activation="gelu"),
+        knn.Linear(128, 96, activation="relu"),
+        knn.Linear(96, 10),
+    ).to(DEV)
+    params = list(model.parameters())
+    cm = torch.compile(model, fullgraph=True)
+    for x_grad in (True, False):
+        x = randn(32, 64, seed=77).requires_grad_(x_grad)
+        g = randn(32, 10, seed=78)
+        inputs = ([x] if x_grad else []) + params
+        ye = model(x)
+        yc = cm(x)
+        assert torch.equal(ye, yc)
+        ge = torch.autograd.grad(ye, inputs, g)
+        gc = torch.autograd.grad(yc, inputs, g)
+        for i, (a, c) in enumerate(zip(ge, gc)):
+            assert torch.equal(a, c), f"gradient {i} (x_grad={x_grad})"
+    with torch.no_grad():
+        assert torch.equal(model(x), cm(x))
