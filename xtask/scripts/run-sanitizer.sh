@@ -11,6 +11,11 @@
 set -uo pipefail
 
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# The binaries travel packed (`cargo xtask gpu-bundle` writes bin.tar.xz): unpack them once.
+if [ ! -d "$B/bin" ] && [ -f "$B/bin.tar.xz" ]; then
+  tar -xJf "$B/bin.tar.xz" -C "$B" || { echo "error: cannot unpack $B/bin.tar.xz"; exit 1; }
+fi
 TOOLS=()
 BINS=()
 ARGS=()
