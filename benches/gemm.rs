@@ -51,8 +51,9 @@ fn cases() -> Vec<Case> {
     // Small and odd.
     add(1024, 1024, 1024, false, false, false);
     add(1000, 1000, 1000, false, false, false);
-    // The fused linear layer: x [8192, 4096] @ W^T, W [4096, 4096].
+    // The fused linear layer: x [8192, 4096] @ W^T, W [4096, 4096]; and a small one.
     add(8192, 4096, 4096, false, true, true);
+    add(64, 1024, 1024, false, true, true);
     v
 }
 

@@ -75,15 +75,16 @@ pub fn launch_bound(kernel: &str) -> Option<u32> {
 
 /// Block size and minimum resident blocks per SM of a GEMM tile kernel, from its name
 /// `gemm_<ops>_<BM>x<BN>` (kernels-gpu/src/gemm.rs): `BM * BN / 64` threads (an 8 x 8 block of
-/// C each), and as many blocks as a register budget per thread allows (65536 registers per SM).
-/// This is CUDA's `__launch_bounds__(threads, blocks)`. The 256-thread tile gets 128 registers, where
-/// its 64 accumulators, two 8-value fragments and one staged chunk per operand fit without
-/// spilling, two blocks an SM; given a free hand ptxas takes more and only one block fits.
-pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, u32)> {
+/// C each). This is CUDA's `__launch_bounds__(threads, blocks)`. The 256-thread tile gets two
+/// blocks an SM, i.e. 128 registers, where its 64 accumulators, two 8-value fragments and one
+/// staged chunk per operand fit without spilling; given a free hand ptxas takes more and only one
+/// block fits. A tile of fewer threads gets no minimum (a 64 x 64 tile of 64 threads, tried,
+/// stages two chunks per operand and spilled at 128; unbounded it took 144: benches/NOTES.md).
+pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
     let (bm, bn) = tile.split_once('x')?;
     let threads = bm.parse::<u32>().ok()? * bn.parse::<u32>().ok()? / 64;
-    Some((threads, (65536 / (threads * 128)).max(1)))
+    Some((threads, (threads >= 256).then(|| 65536 / (threads * 128))))
 }
 
 /// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`],
@@ -92,11 +93,20 @@ pub fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut pending: Option<String> = None;
     for line in ptx.lines() {
+        // Directives added by an earlier pass (cargo leaves the `.s` file alone when the crate is
+        // fresh, so the same file may come through here twice): replaced, not doubled.
+        let t = line.trim_start();
+        if t.starts_with(".maxntid") || t.starts_with(".minnctapersm") {
+            continue;
+        }
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or(rest).trim();
-            pending = launch_bound(name)
-                .map(|n| format!(".maxntid {n}, 1, 1\n"))
-                .or_else(|| gemm_launch_bounds(name).map(|(t, b)| format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n")));
+            pending = launch_bound(name).map(|n| format!(".maxntid {n}, 1, 1\n")).or_else(|| {
+                gemm_launch_bounds(name).map(|(t, b)| match b {
+                    Some(b) => format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"),
+                    None => format!(".maxntid {t}, 1, 1\n"),
+                })
+            });
         }
         out.push_str(line);
         out.push('\n');

@@ -243,6 +243,8 @@ fn large_products(dev: &Device) -> Result<(), String> {
         (129, 131, 257),
         // Skinny K.
         (big, big, 3),
+        // Enough 128 x 128 tiles to fill the GPU without a split (144 for 132 SMs).
+        (1536, 1544, if sanitizer() { 64 } else { 300 }),
     ];
     for (i, &(m, n, k)) in shapes.iter().enumerate() {
         for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
