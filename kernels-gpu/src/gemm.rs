@@ -7,11 +7,12 @@
 //! flops x 132 SMs x ~1.98 GHz = 67 TFLOP/s. Any other instruction takes an FFMA's issue slot,
 //! so the kernel is shaped to make nearly every instruction an FFMA.
 //!
-//! # Version 1 (see benches/NOTES.md for the measurements): register blocking, 8 x 8 per thread
+//! # The design (versions g1-g3 and their measurements: benches/NOTES.md)
 //! - A block computes a `BM x BN` tile of C (128 x 128 with 256 threads), each
 //!   thread an 8 x 8 block in 64 accumulators. Per step `k`, a thread reads 8 values of A's column
-//!   and 8 of B's row from shared memory (four 16-byte `LDS.128`) and does 64 FFMA: 94% of its
-//!   instructions are FFMA.
+//!   and 8 of B's row from shared memory (four 16-byte `LDS.128`) and does 64 FFMA; with the
+//!   stage's global loads, shared stores, barrier and loop, 90% of the stage loop's instructions
+//!   are FFMA (566 for 512, read in the SASS).
 //! - The thread's 8 rows are two groups of 4, `BM / 2` apart (likewise its columns): a warp then
 //!   reads A's column as 2 distinct 16-byte words (a broadcast) and B's row as 16 consecutive
 //!   ones (256 bytes, two shared-memory wavefronts), so the shared loads are conflict-free.
@@ -26,7 +27,10 @@
 //! - Edges: a thread's 16-byte chunk is loaded whole when it lies inside the matrix and the
 //!   operand is 16-byte aligned; otherwise element by element, zero outside (a zero that only
 //!   ever meets other zeros or columns that are never stored). So any M, N, K and any leading
-//!   dimension work, and the interior of a large matrix pays only the test.
+//!   dimension work. Tiles wholly inside both operands (and aligned) run a copy of the loop whose
+//!   loads are straight-line, without the per-chunk tests (`main_loop::<FAST = true>`).
+//! - The 64 FFMA of a step are written column by column: ptxas then allocates registers with few
+//!   bank conflicts between an FFMA's sources (see the comment at the loop).
 //!
 //! # The epilogue
 //! `v = alpha * acc + beta * C + bias[col]`, then the activation ([`EPI_RELU`] ...), then one
@@ -37,7 +41,7 @@
 //! Where the tiles of C are too few to fill the GPU and K is long (128 x 8192 by 8192 x 8192 has
 //! 64 tiles for 132 SMs), the host runs the same kernel on K-slices as a batch (the batch
 //! strides step through K) with the plain epilogue into a workspace, and
-//! [`gemm_splitk_reduce`]'s kernel adds the slices in a fixed order and applies the epilogue:
+//! the `gemm_splitk_reduce` kernel adds the slices in a fixed order and applies the epilogue:
 //! deterministic, unlike atomics.
 
 use crate::ops::{GeluErf, GeluTanh, Relu, Silu, UnaryFn};
