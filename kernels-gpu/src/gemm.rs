@@ -98,9 +98,10 @@ impl Tile {
 pub const TILE_128: Tile = Tile { bm: 128, bn: 128 };
 pub const TILES: [Tile; 1] = [TILE_128];
 
-/// Name of the GEMM kernel for the transposes of A and B and a tile.
+/// Name of the GEMM kernel for the transposes of A and B and a tile of [`TILES`] (the only one
+/// built is [`TILE_128`]; the parameter keeps the callers ready for others).
 pub fn gemm_kernel(trans_a: bool, trans_b: bool, tile: Tile) -> &'static str {
-    let _ = tile;
+    debug_assert_eq!(tile, TILE_128, "only the 128 x 128 tile is built");
     match (trans_a, trans_b) {
         (false, false) => "gemm_nn_128x128",
         (false, true) => "gemm_nt_128x128",
