@@ -223,11 +223,46 @@ unary!(Mish, |x, a, b| if x >= 20.0 { x } else { x * mish_parts(x).0 }, |x, g, a
     }
 });
 // softplus(x; beta = a, threshold = b): linear above the threshold, as PyTorch.
+/// `log(1 + e^z)` for finite or infinite `z` (NaN passes): `max(z, 0) + log1p(t)` with
+/// `t = e^-|z|` in `(0, 1]`, so that the log1p is of a bounded argument and needs no general
+/// range reduction: `log1p(t) = 2 atanh(s)`, `s = t / (2 + t)` in `(0, 1/3]`, and the odd series
+/// `2 s (1 + s^2/3 + ... + s^12/13)` stops at a remainder of `(1/9)^7 / 15 = 1.4e-8` relative,
+/// under half an ulp. Written `t r (1 + q)` with `r = 2 / (2 + t)` (about 1), so that a
+/// denormal `t` (z below -87) is scaled by a normal number and keeps its bits. Error: `t`'s
+/// (the exp, 2 ulp) passes with a factor below 1, the division and the polynomial add about 2
+/// ulp, the final add one rounding. About 30 instructions against 60 for the general
+/// `log1p(exp(z))`, which made the f32 forward compute-bound (2330 GB/s against PyTorch's 3000).
+#[inline(always)]
+fn softplus_unit(z: f32) -> f32 {
+    let t = math::exp(-abs(z));
+    let tr = t * (2.0 / (2.0 + t));
+    let s = tr * 0.5;
+    let s2 = s * s;
+    let q = math::fma(
+        s2,
+        math::fma(
+            s2,
+            math::fma(s2, math::fma(s2, math::fma(s2, 1.0 / 13.0, 1.0 / 11.0), 1.0 / 9.0), 1.0 / 7.0),
+            1.0 / 5.0,
+        ),
+        1.0 / 3.0,
+    ) * s2;
+    (if z > 0.0 { z } else { 0.0 }) + math::fma(tr, q, tr)
+}
+
 unary!(
     Softplus,
     |x, a, b| {
         let z = x * a;
-        if z > b { x } else { math::log1p(math::exp(z)) / a }
+        // `a` is a kernel parameter: the test is uniform, and spares PyTorch's default beta = 1
+        // the division.
+        if z > b {
+            x
+        } else if a == 1.0 {
+            softplus_unit(z)
+        } else {
+            softplus_unit(z) / a
+        }
     },
     |x, g, a, b| {
         let z = x * a;
