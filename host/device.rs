@@ -21,20 +21,37 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The PTX of every kernel, built from `kernels-gpu` by `build.rs` and stored deflated.
-static PTX_DEFLATED: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.ptx.deflate"));
+/// The PTX modules built from `kernels-gpu` by `build.rs`, stored deflated, oldest target
+/// first: `sm_80` (every kernel; the driver compiles it for any GPU from Ampere on) and `sm_90`
+/// (the same kernels plus those that need Hopper's thread-block clusters).
+static PTX_DEFLATED: [(&str, &[u8]); 2] = [
+    ("sm_80", include_bytes!(concat!(env!("OUT_DIR"), "/kernels-sm_80.ptx.deflate"))),
+    ("sm_90", include_bytes!(concat!(env!("OUT_DIR"), "/kernels-sm_90.ptx.deflate"))),
+];
 
-/// The PTX of every kernel (decompressed on first use).
-pub fn ptx() -> &'static str {
-    static PTX: OnceLock<String> = OnceLock::new();
-    PTX.get_or_init(|| {
-        let bytes = miniz_oxide::inflate::decompress_to_vec(PTX_DEFLATED).expect("the embedded PTX is valid deflate");
+/// The architectures whose PTX the library embeds, oldest first.
+pub const PTX_ARCHES: [&str; 2] = [PTX_DEFLATED[0].0, PTX_DEFLATED[1].0];
+
+/// The PTX built for `arch` (one of [`PTX_ARCHES`]; decompressed on first use), or `None`.
+pub fn ptx_for(arch: &str) -> Option<&'static str> {
+    static PTX: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let i = PTX_DEFLATED.iter().position(|(a, _)| *a == arch)?;
+    Some(PTX[i].get_or_init(|| {
+        let bytes =
+            miniz_oxide::inflate::decompress_to_vec(PTX_DEFLATED[i].1).expect("the embedded PTX is valid deflate");
         String::from_utf8(bytes).expect("PTX is ASCII")
-    })
+    }))
 }
-/// The GPU architecture the PTX was compiled for (`sm_80` unless `KERNELS_PTX_ARCH` said
-/// otherwise); the driver compiles it for the GPU at hand when the module loads.
-pub const PTX_ARCH: &str = env!("KERNELS_PTX_ARCH");
+
+/// The PTX that a device of compute capability `cc` loads: the newest target it can run.
+pub fn ptx_arch_for(cc: (i32, i32)) -> &'static str {
+    if cc.0 >= 9 { "sm_90" } else { "sm_80" }
+}
+
+/// The portable PTX (`sm_80`), which every supported GPU can load.
+pub fn ptx() -> &'static str {
+    ptx_for(PTX_ARCHES[0]).expect("embedded")
+}
 
 /// Grid and block of a launch, plus its dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +75,8 @@ struct Inner {
     ordinal: usize,
     name: String,
     compute_capability: (i32, i32),
+    /// The architecture of the loaded PTX module (see [`Device::ptx_arch`]).
+    ptx_arch: &'static str,
     sm_count: u32,
     /// Opt-in maximum of dynamic shared memory per block, in bytes.
     max_shared: u32,
@@ -156,6 +175,16 @@ impl Device {
     }
     pub fn compute_capability(&self) -> (i32, i32) {
         self.0.compute_capability
+    }
+    /// The architecture of the PTX this device loaded: [`ptx_arch_for`] its compute capability,
+    /// or an older one if the driver refused that (too old for its PTX ISA version).
+    pub fn ptx_arch(&self) -> &'static str {
+        self.0.ptx_arch
+    }
+    /// Whether the loaded module has kernel `name` (the `sm_90` module has kernels that the
+    /// `sm_80` one lacks).
+    pub(crate) fn has_kernel(&self, name: &str) -> bool {
+        self.0.by_name.contains_key(name)
     }
     pub fn sm_count(&self) -> u32 {
         self.0.sm_count
@@ -291,6 +320,36 @@ impl Device {
         let b = blocks.max(1) as u32;
         self.0.occupancy.lock().unwrap_or_else(|p| p.into_inner()).insert(key, b);
         Ok(b)
+    }
+
+    /// Clusters of `kernel` (a cluster kernel: its cluster size is fixed in its PTX) that can be
+    /// resident on the device at once, with `threads` threads and `smem` bytes of dynamic shared
+    /// memory per block; 0 when not one fits. Clusters must fit in one GPC each, so this is not
+    /// simply SMs / cluster size: a persistent grid of more clusters than this runs in two waves.
+    pub(crate) fn max_active_clusters(&self, kernel: &str, cluster: u32, threads: u32, smem: u32) -> Result<u32> {
+        let i = self.kernel_index(kernel)?;
+        self.bind()?;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: std::ptr::null_mut(),
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut n = 0i32;
+        // SAFETY: the function belongs to this device's module; config and the out-pointer are
+        // locals. No attributes: the kernel's compile-time cluster size applies.
+        unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut n, self.0.kernels[i].func, &config)
+                .result()
+                .map_err(|e| driver("cluster occupancy", e))?;
+        }
+        Ok(n.max(0) as u32)
     }
 
     /// Dynamic shared memory a block may use (the opt-in maximum, which every kernel is
@@ -649,13 +708,29 @@ impl Inner {
             .result()
             .map_err(|e| driver(op, e))?;
         }
-        let image = CString::new(ptx()).expect("PTX has no NUL bytes");
-        // SAFETY: `image` is a NUL-terminated PTX string; the driver copies what it needs.
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const _) }
-            .map_err(|e| Error::Driver { op: "loading the kernel module", message: format!("{e:?}") })?;
+        // The newest module the GPU runs; should the driver refuse it (a driver older than
+        // the PTX ISA version: sm_90's is 8.1, CUDA 12.1), the next older one, down to sm_80.
+        let newest = PTX_ARCHES.iter().position(|&a| a == ptx_arch_for(compute_capability)).unwrap_or(0);
+        let mut loaded = None;
+        let mut refused = Vec::new();
+        for &arch in PTX_ARCHES[..=newest].iter().rev() {
+            let ptx = ptx_for(arch).expect("an embedded architecture");
+            let image = CString::new(ptx).expect("PTX has no NUL bytes");
+            // SAFETY: `image` is a NUL-terminated PTX string; the driver copies what it needs.
+            match unsafe { result::module::load_data(image.as_ptr() as *const _) } {
+                Ok(m) => {
+                    loaded = Some((m, ptx, arch));
+                    break;
+                }
+                Err(e) => refused.push(format!("{arch}: {e:?}")),
+            }
+        }
+        let Some((module, ptx, ptx_arch)) = loaded else {
+            return Err(Error::Driver { op: "loading the kernel module", message: refused.join("; ") });
+        };
         let mut kernels = Vec::new();
         let mut by_name = HashMap::new();
-        for name in kernels_gpu::ptx_entries(ptx()).map(str::to_string) {
+        for name in kernels_gpu::ptx_entries(ptx).map(str::to_string) {
             let cname = CString::new(name.clone()).expect("kernel names have no NUL bytes");
             // SAFETY: module is loaded; the name is an entry of its PTX.
             let func = unsafe { result::module::get_function(module, cname) }
@@ -703,6 +778,7 @@ impl Inner {
             ordinal,
             name,
             compute_capability,
+            ptx_arch,
             sm_count,
             max_shared,
             ctx,

@@ -51,13 +51,27 @@ pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) ->
     if !ptx.contains(".entry") {
         return Err(format!("{} holds no kernel entry points", out.display()));
     }
-    std::fs::write(out, add_launch_bounds(&ptx)).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    std::fs::write(out, add_launch_bounds(&raise_ptx_isa(&ptx)))
+        .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     Ok(stderr
         .lines()
         .filter(|l| l.starts_with("warning:") && !l.contains("generated") && !l.contains("profiles for the non root"))
         .map(str::to_string)
         .collect())
+}
+
+/// Raises the PTX ISA version of sm_90 PTX from LLVM's default 7.8 to 8.1, for the cluster
+/// exchange's instructions (`st.async` with an mbarrier's transaction count, 8.1; the cluster
+/// barrier's explicit `.release`/`.acquire`, 8.0; see prim.rs). Each version only adds to the
+/// last, so the rest of the text stays valid; drivers from CUDA 12.1 on read it. rustc's
+/// `-Ctarget-feature=+ptx81` would do the same but is an unstable flag that warns.
+pub fn raise_ptx_isa(ptx: &str) -> String {
+    if ptx.contains("\n.target sm_90") || ptx.contains("\n.target\tsm_90") {
+        ptx.replacen("\n.version 7.8\n", "\n.version 8.1\n", 1)
+    } else {
+        ptx.to_string()
+    }
 }
 
 /// The largest block a kernel is launched with, where ptxas must know it: rustc has no
@@ -87,8 +101,18 @@ pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     Some((threads, (threads >= 256).then(|| 65536 / (threads * 128))))
 }
 
+/// Blocks per cluster of a cluster kernel, from its name `<family>_c<C>_...` (sm_90 only, e.g.
+/// `layer_norm_bwd_c4_v2_f32`, kernels-gpu/src/norm.rs). The PTX directive
+/// `.reqnctapercluster C, 1, 1` fixes the cluster shape at compile time, CUDA's
+/// `__cluster_dims__`, so an ordinary launch (grid a multiple of C) runs in clusters. Such a
+/// kernel holds a row's share of 1024 threads in registers: `.maxntid 1024` as well.
+pub fn cluster_size(kernel: &str) -> Option<u32> {
+    kernel.split('_').find_map(|part| part.strip_prefix('c')?.parse::<u32>().ok()).filter(|&c| c > 1)
+}
+
 /// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`],
-/// and `.maxntid` with `.minnctapersm` after every GEMM tile kernel's ([`gemm_launch_bounds`]).
+/// `.maxntid` with `.minnctapersm` after every GEMM tile kernel's ([`gemm_launch_bounds`]),
+/// and `.maxntid 1024` with `.reqnctapercluster` after every cluster kernel's ([`cluster_size`]).
 pub fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut pending: Option<String> = None;
@@ -96,17 +120,20 @@ pub fn add_launch_bounds(ptx: &str) -> String {
         // Directives added by an earlier pass (cargo leaves the `.s` file alone when the crate is
         // fresh, so the same file may come through here twice): replaced, not doubled.
         let t = line.trim_start();
-        if t.starts_with(".maxntid") || t.starts_with(".minnctapersm") {
+        if [".maxntid", ".minnctapersm", ".reqnctapercluster"].iter().any(|d| t.starts_with(d)) {
             continue;
         }
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or(rest).trim();
-            pending = launch_bound(name).map(|n| format!(".maxntid {n}, 1, 1\n")).or_else(|| {
-                gemm_launch_bounds(name).map(|(t, b)| match b {
-                    Some(b) => format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"),
-                    None => format!(".maxntid {t}, 1, 1\n"),
-                })
-            });
+            pending = cluster_size(name)
+                .map(|c| format!(".maxntid 1024, 1, 1\n.reqnctapercluster {c}, 1, 1\n"))
+                .or_else(|| launch_bound(name).map(|n| format!(".maxntid {n}, 1, 1\n")))
+                .or_else(|| {
+                    gemm_launch_bounds(name).map(|(t, b)| match b {
+                        Some(b) => format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"),
+                        None => format!(".maxntid {t}, 1, 1\n"),
+                    })
+                });
         }
         out.push_str(line);
         out.push('\n');

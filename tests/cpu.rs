@@ -2,7 +2,7 @@
 //! signatures, the random-number generator against published known answers, and the behaviour
 //! without a driver (an error, never a panic).
 
-use kernels::device::ptx;
+use kernels::device::{PTX_ARCHES, ptx, ptx_for};
 use kernels::{DType, Device, Error};
 use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
@@ -15,10 +15,10 @@ use kernels_gpu::ops::{Activation, Binary, Unary};
 use kernels_gpu::{BF16, F16};
 use std::collections::BTreeMap;
 
-/// Every `.entry` of the PTX with its number of parameters.
-fn ptx_kernels() -> BTreeMap<String, usize> {
+/// Every `.entry` of the PTX for `arch` with its number of parameters.
+fn ptx_kernels(arch: &str) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
-    let mut lines = ptx().lines();
+    let mut lines = ptx_for(arch).expect("an embedded architecture").lines();
     while let Some(l) = lines.next() {
         let Some(rest) = l.trim_start().strip_prefix(".visible .entry ") else { continue };
         let name = rest.split('(').next().unwrap().trim().to_string();
@@ -106,28 +106,70 @@ fn host_kernels() -> BTreeMap<String, usize> {
     m
 }
 
+/// Kernels that only the sm_90 module has: thread-block cluster kernels, `<stem>_c<C>_...`.
+fn sm90_only(name: &str) -> bool {
+    name.split('_').any(|p| p.strip_prefix('c').and_then(|n| n.parse::<u32>().ok()).is_some_and(|c| c > 1))
+}
+
 #[test]
 fn ptx_has_exactly_the_kernels_the_host_launches_with_their_arity() {
-    let ptx = ptx_kernels();
     let host = host_kernels();
-    for (name, n) in &host {
-        match ptx.get(name) {
-            None => panic!("the host launches `{name}`, which the PTX does not have"),
-            Some(p) => assert_eq!(p, n, "`{name}`: {p} parameters in the PTX, {n} in the host's signature"),
+    assert!(host.keys().any(|k| sm90_only(k)), "no cluster kernels listed");
+    for arch in PTX_ARCHES {
+        let ptx = ptx_kernels(arch);
+        for (name, n) in &host {
+            if arch == "sm_80" && sm90_only(name) {
+                assert!(!ptx.contains_key(name), "`{name}` needs sm_90 but is in the sm_80 PTX");
+                continue;
+            }
+            match ptx.get(name) {
+                None => panic!("the host launches `{name}`, which the {arch} PTX does not have"),
+                Some(p) => assert_eq!(p, n, "`{name}`: {p} parameters in the {arch} PTX, {n} in the host's signature"),
+            }
         }
+        for name in ptx.keys() {
+            assert!(host.contains_key(name), "{arch} PTX kernel `{name}` is never launched by the host");
+        }
+        assert!(ptx.len() > 250, "only {} kernels", ptx.len());
     }
-    for name in ptx.keys() {
-        assert!(host.contains_key(name), "PTX kernel `{name}` is never launched by the host");
+}
+
+/// Each cluster kernel carries its cluster shape and 1024-thread bound, and the sm_90 module is
+/// PTX ISA 8.1 (`st.async`, the cluster barrier's `.release`/`.acquire`).
+#[test]
+fn cluster_kernels_declare_their_cluster_size() {
+    let ptx = ptx_for("sm_90").unwrap();
+    assert!(ptx.contains("\n.version 8.1\n"), "the sm_90 PTX is not ISA 8.1");
+    let mut seen = 0;
+    let mut lines = ptx.lines();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix(".visible .entry ") else { continue };
+        let name = rest.split('(').next().unwrap().trim();
+        if !sm90_only(name) {
+            continue;
+        }
+        let c = name.split("_c").nth(1).and_then(|r| r.split('_').next()).unwrap();
+        let after: Vec<&str> = lines.by_ref().skip_while(|l| l.trim() != ")").take(3).collect();
+        assert_eq!(after.get(1).map(|l| l.trim()), Some(".maxntid 1024, 1, 1"), "`{name}`");
+        assert_eq!(after.get(2).map(|l| l.trim()).unwrap_or(""), format!(".reqnctapercluster {c}, 1, 1"), "`{name}`");
+        seen += 1;
     }
-    assert!(ptx.len() > 250, "only {} kernels", ptx.len());
+    assert!(seen >= 12, "found {seen} cluster kernels");
 }
 
 #[test]
 fn ptx_is_for_the_configured_architecture() {
-    let target = ptx().lines().find(|l| l.starts_with(".target")).expect("a .target line");
-    assert!(target.contains(kernels::device::PTX_ARCH), "{target} vs {}", kernels::device::PTX_ARCH);
-    // No kernel may call an unresolved function (e.g. an `expf` LLVM could not lower).
-    assert!(!ptx().contains(".extern .func"), "the PTX calls an external function");
+    for arch in PTX_ARCHES {
+        let ptx = ptx_for(arch).unwrap();
+        let target = ptx.lines().find(|l| l.starts_with(".target")).expect("a .target line");
+        assert!(target.contains(arch), "{target} vs {arch}");
+        // No kernel may call an unresolved function (e.g. an `expf` LLVM could not lower).
+        assert!(!ptx.contains(".extern .func"), "the {arch} PTX calls an external function");
+    }
+    assert_eq!(kernels::device::ptx_arch_for((8, 0)), "sm_80");
+    assert_eq!(kernels::device::ptx_arch_for((8, 9)), "sm_80");
+    assert_eq!(kernels::device::ptx_arch_for((9, 0)), "sm_90");
+    assert_eq!(kernels::device::ptx_arch_for((10, 0)), "sm_90");
 }
 
 /// Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).

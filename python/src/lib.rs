@@ -610,7 +610,7 @@ fn cuda_status(py: Python<'_>) -> (bool, String) {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("PTX_ARCH", kernels::device::PTX_ARCH)?;
+    m.add("PTX_ARCH", kernels::device::PTX_ARCHES.join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(activation_fwd, m)?)?;

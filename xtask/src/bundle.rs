@@ -66,8 +66,8 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
         println!("note: no `strip` on PATH; the binaries keep their symbols");
     }
     let mut manifest_txt = String::from("# made by `cargo xtask gpu-bundle`\n");
-    let arch = std::env::var("KERNELS_PTX_ARCH").unwrap_or_else(|_| "sm_80".into());
-    manifest_txt += &format!("# the binaries embed the PTX built for {arch} (KERNELS_PTX_ARCH, build.rs)\n");
+    manifest_txt +=
+        "# the binaries embed the PTX built for sm_80 and sm_90 (build.rs); a GPU loads the newest it runs\n";
     for a in &arts {
         let sub = dir.join("bin").join(a.subdir());
         mkdir(&sub)?;
