@@ -106,6 +106,21 @@ pub fn reg_vectors(nvec: u64, available: &[usize], wide: bool) -> Option<usize> 
     [128, 256, 512, MAX_GROUP as u64].into_iter().find_map(fits)
 }
 
+/// A row held by a thread-block cluster (sm_90; `kernels-gpu/src/rows.rs`): the first cluster
+/// size of `sizes` (ascending) whose blocks, at `v` vectors a thread and at most `max_threads`
+/// threads (at most 1024), hold a row of `nvec` vectors, with the threads per block (a
+/// multiple of 32: the group reductions' shape). `None` when no size is enough.
+pub fn cluster_split(nvec: u64, v: u64, sizes: &[u32], max_threads: u32) -> Option<(u32, u32)> {
+    if nvec == 0 {
+        return None;
+    }
+    let most = max_threads.min(MAX_GROUP) as u64;
+    sizes.iter().find_map(|&c| {
+        let g = nvec.div_ceil(c as u64).div_ceil(v.max(1)).next_multiple_of(32);
+        (g <= most).then_some((c, g as u32))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,5 +193,22 @@ mod tests {
         assert_eq!(reg_vectors(8193, &all, true), None);
         assert_eq!(reg_vectors(8192, &[1, 2, 4], true), None);
         assert_eq!(reg_vectors(32, &all, false), Some(1)); // narrow: a warp per row of 128 f32
+    }
+
+    #[test]
+    fn cluster_splits() {
+        // 32768 f32 = 8192 vectors at two a thread: four blocks of 1024 threads.
+        assert_eq!(cluster_split(8192, 2, &[4, 8], 1024), Some((4, 1024)));
+        // One vector more needs the cluster of eight (513 threads, rounded up to a warp).
+        assert_eq!(cluster_split(8193, 2, &[4, 8], 1024), Some((8, 544)));
+        assert_eq!(cluster_split(16384, 2, &[4, 8], 1024), Some((8, 1024)));
+        assert_eq!(cluster_split(16385, 2, &[4, 8], 1024), None);
+        // At most 512 threads (two blocks an SM): 32768 f32 at four vectors needs four blocks.
+        assert_eq!(cluster_split(8192, 4, &[2, 4, 8], 512), Some((4, 512)));
+        assert_eq!(cluster_split(8192, 4, &[2, 4, 8], 2048), Some((2, 1024)));
+        // A short row still gets whole warps.
+        assert_eq!(cluster_split(5, 1, &[4, 8], 1024), Some((4, 32)));
+        assert_eq!(cluster_split(0, 1, &[4, 8], 1024), None);
+        assert_eq!(cluster_split(100, 1, &[], 1024), None);
     }
 }

@@ -626,6 +626,53 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
+    tests.push(test("norms/cluster_backward", |dev: &Device| {
+        // Rows too long for one block's registers, held by clusters of 4 or 8 blocks on sm_90
+        // (two vectors a thread, up to 1024 threads a block): more rows than resident clusters
+        // (each walks several), runs of unequal length (16392 f32 is 4098 vectors over four
+        // blocks), with and without parameters.
+        let rows = if sanitizer() { 9 } else { 70 };
+        for (cols, c_f32, c_half) in [(32768usize, 4, 4), (16392, 4, 4), (40000, 8, 4), (65536, 8, 4), (65544, 0, 8)] {
+            for dt in DType::ALL {
+                let c = if dt == DType::F32 { c_f32 } else { c_half };
+                for layer in [true, false] {
+                    for affine in [true, false] {
+                        let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, affine).map_err(e)?;
+                        // (c = 0: too long for a cluster, streamed.)
+                        let want = if c == 0 { "_bwd_stream_".to_string() } else { format!("_bwd_c{c}_") };
+                        if dev.compute_capability().0 >= 9 && !k.contains(&want) {
+                            return Err(format!("{rows}x{cols} {dt:?} runs {k}, not {want}"));
+                        }
+                        norm_case(dev, rows, cols, dt, layer, affine, (cols + rows) as u64)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }));
+    tests.push(test("softmax/cluster_backward", |dev: &Device| {
+        // Backward rows too long for one block's registers, held by a cluster on sm_90 (four
+        // vectors a thread, up to 1024 threads a block); a row of 16388 f32 is cut unevenly
+        // (c = 1: one block's registers; c = 0: streamed, here rows not of whole vectors).
+        for (cols, c_f32, c_half) in [(32768usize, 2, 1), (16388, 2, 0), (40000, 4, 2), (131072, 8, 4)] {
+            for dt in DType::ALL {
+                for log in [false, true] {
+                    let c = if dt == DType::F32 { c_f32 } else { c_half };
+                    let [_, k] = ops::softmax_kernels(dev, log, dt, 5, cols as u64).map_err(e)?;
+                    let want = match c {
+                        0 => "_bwd_stream_".to_string(),
+                        1 => "_bwd_v".to_string(),
+                        c => format!("_bwd_c{c}_"),
+                    };
+                    if dev.compute_capability().0 >= 9 && !k.contains(&want) {
+                        return Err(format!("5x{cols} {dt:?} runs {k}, not {want}"));
+                    }
+                    softmax_case(dev, 5, cols, dt, log, cols as u64)?;
+                }
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("norms/errors", norm_errors));
     for red in [Reduction::None, Reduction::Sum, Reduction::Mean] {
         tests.push(test(format!("cross_entropy/{red:?}/random_shapes"), move |dev: &Device| {

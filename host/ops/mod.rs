@@ -118,6 +118,42 @@ pub(crate) fn row_plan(
     Ok(Some(RowPlan { kernel, cfg, v: None }))
 }
 
+/// Cluster sizes of the one-row-per-cluster kernels `<stem>_c<C>_v4_<dt>` (sm_90; the softmax
+/// backward), which hold four vectors a thread.
+pub(crate) const ROW_CLUSTERS: [u32; 3] = [2, 4, 8];
+
+/// A launch of `<stem>_c<C>_v4_<dt>` with one cluster of `C` blocks of at most `max_threads`
+/// threads per row (`kernels-gpu/src/rows.rs`, `RowReducer`), where the device's module has
+/// the kernel (sm_90) and the rows are whole vectors; `None` otherwise.
+pub(crate) fn cluster_row_plan(
+    dev: &crate::Device,
+    stem: &str,
+    dt: kernels_gpu::DType,
+    rows: u64,
+    cols: u64,
+    max_threads: u32,
+) -> Result<Option<RowPlan>> {
+    use kernels_gpu::rows::{cluster_slots, reduce_smem_bytes};
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    if rows == 0 || !cols.is_multiple_of(vec) {
+        return Ok(None);
+    }
+    let Some((c, g)) = crate::launch::cluster_split(cols / vec, 4, &ROW_CLUSTERS, max_threads) else {
+        return Ok(None);
+    };
+    let kernel = format!("{stem}_c{c}_v4_{}", dt.suffix());
+    let blocks = rows * c as u64;
+    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? || blocks > i32::MAX as u64 {
+        return Ok(None);
+    }
+    let cfg = crate::device::LaunchConfig {
+        grid: (blocks as u32, 1, 1),
+        block: (g, 1, 1),
+        shared_bytes: reduce_smem_bytes(g) + cluster_slots(c) * 4,
+    };
+    Ok(Some(RowPlan { kernel, cfg, v: Some(4) }))
+}
+
 /// `x` must have at least one dimension; returns `(rows, cols)` over the last one.
 pub(crate) fn rows_cols(op: &'static str, x: &Tensor) -> Result<(u64, u64)> {
     let Some(&cols) = x.shape().last() else {

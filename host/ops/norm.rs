@@ -8,6 +8,7 @@ use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
 use kernels_gpu::norm::{COLSUM_LANES, NormBwdArgs, NormColGradArgs, NormColsumArgs, NormFwdArgs, padded};
+use kernels_gpu::rows::{cluster_slots, reduce_smem_bytes};
 
 /// PyTorch's default `eps` of `layer_norm`.
 pub const LAYER_NORM_EPS: f32 = 1e-5;
@@ -233,34 +234,20 @@ fn backward_out(
     let dev = x.device();
     let dt = x.dtype();
     let want_params = gw.is_some() || gb.is_some();
-    let stem = format!("{}_bwd", kind.stem());
-    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), true)? else {
+    let Some((p, chunks)) = backward_plan(dev, kind, dt, rows, cols, want_params)? else {
         // No rows: the parameter gradients are sums over nothing.
         for g in [gw, gb].into_iter().flatten() {
             g.fill_(0.0)?;
         }
         return Ok(());
     };
-    // The register-resident kernel keeps each group's column sums in shared memory.
-    let sums_bytes = if want_params { p.cfg.block.1 as u64 * 2 * padded(cols) as u64 * 4 } else { 0 };
-    if p.v.is_some() && p.cfg.shared_bytes as u64 + sums_bytes > dev.max_shared_bytes() as u64 {
-        let kernel = format!("{stem}_stream_{}", dt.suffix());
-        let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-        let g = launch::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(&kernel)? / 32 * 32);
-        p = super::RowPlan { kernel, cfg: launch::rows(rows, g).expect("rows > 0"), v: None };
-    }
-    let mut cfg = p.cfg;
-    let mut partial: Option<(Tensor, u64)> = None;
-    if p.v.is_some() {
-        // Persistent: one wave of blocks, each with its own partial row of dw and db.
-        cfg.shared_bytes += sums_bytes as u32;
-        let per_sm = dev.blocks_per_sm(&p.kernel, cfg.block.0 * cfg.block.1, cfg.shared_bytes)?;
-        cfg.grid.0 = cfg.grid.0.min(dev.sm_count() * per_sm);
-        if want_params {
-            let chunks = cfg.grid.0 as u64;
-            partial = Some((Tensor::alloc(op, dev, &[2, chunks as usize, cols as usize], DType::F32)?, chunks));
+    let cfg = p.cfg;
+    let mut partial = match chunks {
+        Some(chunks) if want_params => {
+            Some((Tensor::alloc(op, dev, &[2, chunks as usize, cols as usize], DType::F32)?, chunks))
         }
-    }
+        _ => None,
+    };
     let part_p = partial.as_mut().map_or(std::ptr::null_mut(), |(t, _)| t.dev_ptr_mut::<f32>());
     with_elem!(dt, |T| {
         let args: NormBwdArgs<T> = (
@@ -296,6 +283,109 @@ fn backward_out(
     }
     let (t, chunks) = partial.as_ref().expect("set above");
     colsums(x, t, *chunks, cols, gw.as_mut(), gb.as_mut())
+}
+
+/// The backward's kernel and launch, and the number of partial rows of dw, db it writes
+/// (`None`: it writes none, and a column pass computes them). In order of preference:
+/// - register-resident, one group per row, persistent (one wave of blocks, each with its own
+///   partial row), when the row fits one block's registers and its column sums shared memory;
+/// - register-resident in a thread-block cluster (sm_90), one partial row per cluster;
+/// - streaming.
+fn backward_plan(
+    dev: &crate::Device,
+    kind: Kind,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    want_params: bool,
+) -> Result<Option<(super::RowPlan, Option<u64>)>> {
+    let stem = format!("{}_bwd", kind.stem());
+    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), true)? else { return Ok(None) };
+    // The register-resident kernel keeps each group's column sums in shared memory.
+    let sums_bytes = if want_params { p.cfg.block.1 as u64 * 2 * padded(cols) as u64 * 4 } else { 0 };
+    let fits = p.v.is_some() && p.cfg.shared_bytes as u64 + sums_bytes <= dev.max_shared_bytes() as u64;
+    if fits {
+        p.cfg.shared_bytes += sums_bytes as u32;
+        let per_sm = dev.blocks_per_sm(&p.kernel, p.cfg.block.0 * p.cfg.block.1, p.cfg.shared_bytes)?;
+        p.cfg.grid.0 = p.cfg.grid.0.min(dev.sm_count() * per_sm);
+        let chunks = p.cfg.grid.0 as u64;
+        return Ok(Some((p, Some(chunks))));
+    }
+    if let Some((c, p)) = cluster_plan(dev, &stem, dt, rows, cols, want_params)? {
+        let chunks = (p.cfg.grid.0 / c) as u64;
+        return Ok(Some((p, Some(chunks))));
+    }
+    if p.v.is_some() {
+        let kernel = format!("{stem}_stream_{}", dt.suffix());
+        let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+        let g = launch::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(&kernel)? / 32 * 32);
+        p = super::RowPlan { kernel, cfg: launch::rows(rows, g).expect("rows > 0"), v: None };
+    }
+    Ok(Some((p, None)))
+}
+
+/// The kernels that the forward and the backward of layer norm (`layer`) or RMS norm run on
+/// `dev` for rows x cols of `dt`, the backward with or without parameter gradients (for tests:
+/// which path a shape takes).
+#[doc(hidden)]
+pub fn norm_kernels(
+    dev: &crate::Device,
+    layer: bool,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    params: bool,
+) -> Result<[String; 2]> {
+    let kind = if layer { Kind::Layer } else { Kind::Rms };
+    let fwd = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, kind.fwd_vectors(dt), true)?;
+    let bwd = backward_plan(dev, kind, dt, rows, cols, params)?;
+    Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|(p, _)| p.kernel).unwrap_or_default()])
+}
+
+/// Cluster sizes of the backward's cluster kernels (`<stem>_c<C>_v<V>_<dt>`, sm_90 only).
+const CLUSTERS: [u32; 2] = [4, 8];
+
+/// Vectors of `x` and of `g` a thread of the cluster kernels holds (within the 64 registers of
+/// a 1024-thread block: build_ptx.rs).
+const CLUSTER_VECTORS: u64 = 2;
+
+/// The backward of rows too long for one block's registers, held by a cluster of blocks
+/// instead (see `bwd_reg` in kernels-gpu/src/norm.rs): when the device's module has the
+/// kernels (sm_90), the rows are whole vectors and short enough. A persistent grid of as many
+/// clusters as can be resident at once, each walking rows; `None` otherwise. Returns the
+/// cluster size with the plan.
+fn cluster_plan(
+    dev: &crate::Device,
+    stem: &str,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    want_params: bool,
+) -> Result<Option<(u32, super::RowPlan)>> {
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    if rows == 0 || !cols.is_multiple_of(vec) {
+        return Ok(None);
+    }
+    let v = CLUSTER_VECTORS;
+    let Some((c, g)) = launch::cluster_split(cols / vec, v, &CLUSTERS, 1024) else { return Ok(None) };
+    let kernel = format!("{stem}_c{c}_v{v}_{}", dt.suffix());
+    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? {
+        return Ok(None);
+    }
+    let seg_cols = (cols / vec).div_ceil(c as u64) * vec;
+    let sums = if want_params { 2 * padded(seg_cols) as u64 * 4 } else { 0 };
+    let smem = reduce_smem_bytes(g) as u64 + cluster_slots(c) as u64 * 4 + sums;
+    if smem > dev.max_shared_bytes() as u64 {
+        return Ok(None);
+    }
+    let smem = smem as u32;
+    let resident = dev.max_active_clusters(&kernel, c, g, smem)?;
+    if resident == 0 {
+        return Ok(None);
+    }
+    let clusters = (resident as u64).min(rows) as u32;
+    let cfg = crate::device::LaunchConfig { grid: (clusters * c, 1, 1), block: (g, 1, 1), shared_bytes: smem };
+    Ok(Some((c, super::RowPlan { kernel, cfg, v: Some(v as usize) })))
 }
 
 fn shapes_f32(op: &'static str, t: &Tensor, shape: &[usize]) -> Result<()> {
@@ -398,6 +488,8 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
             let st = kind.stem();
             v.extend(kind.fwd_vectors(dt).iter().map(|n| (format!("{st}_fwd_v{n}_{sfx}"), f)));
             v.extend(Kind::bwd_vectors(dt).iter().map(|n| (format!("{st}_bwd_v{n}_{sfx}"), b)));
+            let cv = CLUSTER_VECTORS;
+            v.extend(CLUSTERS.iter().map(|c| (format!("{st}_bwd_c{c}_v{cv}_{sfx}"), b)));
             v.push((format!("{st}_fwd_stream_{sfx}"), f));
             v.push((format!("{st}_bwd_stream_{sfx}"), b));
             v.push((format!("{st}_colgrad_{sfx}"), c));

@@ -1,7 +1,10 @@
 //! Softmax and log-softmax along the last dimension (host side of
 //! `kernels-gpu/src/softmax.rs`), forward and backward.
 
-use super::{check_same_device, check_same_dtype, check_same_shape, row_plan, rows_cols, with_elem};
+use super::{
+    ROW_CLUSTERS, RowPlan, check_same_device, check_same_dtype, check_same_shape, cluster_row_plan, row_plan,
+    rows_cols, with_elem,
+};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
@@ -56,15 +59,33 @@ fn backward_out(op: &'static str, y: &Tensor, grad: &Tensor, log: bool, gx: &mut
     check_same_dtype(op, y, gx)?;
     check_same_shape(op, y, gx, "the input's gradient must have the output's shape")?;
     let (rows, cols) = rows_cols(op, y)?;
-    let Some(p) = row_plan(y.device(), &stem(log, "bwd"), y.dtype(), rows, cols, BWD_VECTORS, true)? else {
-        return Ok(());
-    };
+    let Some(p) = backward_plan(y.device(), log, y.dtype(), rows, cols)? else { return Ok(()) };
     with_elem!(y.dtype(), |T| {
         let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), rows, cols);
         // SAFETY: all three hold rows * cols elements of T; gx is borrowed mutably, so it
         // aliases neither input.
         unsafe { y.device().launch(&p.kernel, p.cfg, args) }
     })
+}
+
+/// The backward's kernel and launch: one group per row where the row fits a block's registers,
+/// else (sm_90, rows of whole vectors) a cluster of blocks per row, else streaming.
+fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan>> {
+    let stem = stem(log, "bwd");
+    let Some(p) = row_plan(dev, &stem, dt, rows, cols, BWD_VECTORS, true)? else { return Ok(None) };
+    if p.v.is_some() {
+        return Ok(Some(p));
+    }
+    Ok(Some(cluster_row_plan(dev, &stem, dt, rows, cols, 1024)?.unwrap_or(p)))
+}
+
+/// The kernels that the forward and the backward of softmax (or `log`-softmax) run on `dev`
+/// for rows x cols of `dt` (for tests: which path a shape takes).
+#[doc(hidden)]
+pub fn softmax_kernels(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<[String; 2]> {
+    let fwd = row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)?;
+    let bwd = backward_plan(dev, log, dt, rows, cols)?;
+    Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|p| p.kernel).unwrap_or_default()])
 }
 
 /// `softmax(x)` along the last dimension, as `torch.softmax(x, -1)`: numerically stable for
@@ -120,6 +141,9 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
             }
             for &n in BWD_VECTORS {
                 v.push((format!("{}_v{n}_{}", stem(log, "bwd"), dt.suffix()), b));
+            }
+            for c in ROW_CLUSTERS {
+                v.push((format!("{}_c{c}_v4_{}", stem(log, "bwd"), dt.suffix()), b));
             }
             v.push((format!("{}_stream_{}", stem(log, "fwd"), dt.suffix()), f));
             v.push((format!("{}_stream_{}", stem(log, "bwd"), dt.suffix()), b));

@@ -138,6 +138,7 @@ mod device {
         let row = g.first_row();
         let ok = row < rows;
         let nvec = cols / T::VEC as u64;
+        let mut red = RowReducer::<1>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
         // SAFETY: rows are whole vectors (host-checked), so every row starts 16-byte aligned.
         let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
@@ -157,7 +158,7 @@ mod device {
                 }
             },
         );
-        let [sum] = group_reduce(&g, [sum], [0.0], add1);
+        let [sum] = red.reduce(&g, [sum], [0.0], add1);
         let st = if N::CENTER {
             let m = sum / cols as f32;
             let mut m2 = 0.0f32;
@@ -173,7 +174,7 @@ mod device {
                     }
                 },
             );
-            let [m2] = group_reduce(&g, [m2], [0.0], add1);
+            let [m2] = red.reduce(&g, [m2], [0.0], add1);
             [cols as f32, m, m2]
         } else {
             [0.0, 0.0, sum]
@@ -198,6 +199,7 @@ mod device {
                 }
             },
         );
+        red.finish();
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -312,8 +314,49 @@ mod device {
         rs * (gw - centre - xh * (b * inv_n))
     }
 
+    /// The part of each row a block of the register-resident backward owns, and its rows.
+    struct Span {
+        /// First column and whole vectors of the block's part of a row.
+        col0: u64,
+        nvec: u64,
+        /// The block's (cluster's) first row and row stride.
+        first: u64,
+        step: u64,
+        /// Which partial row of dw, db the block writes, of how many.
+        chunk: u64,
+        chunks: u64,
+    }
+
+    /// With `C = 1`, whole rows per group and a grid-stride walk. With `C > 1` (sm_90 only),
+    /// each block of a cluster holds a run of every row (`rows::cluster_run`), and the cluster
+    /// walks rows.
+    #[inline(always)]
+    fn span<T: Elem, const C: u32>(g: &Group, cols: u64) -> Span {
+        let nvec = cols / T::VEC as u64;
+        if C == 1 {
+            let grid = grid_dim_x() as u64;
+            return Span {
+                col0: 0,
+                nvec,
+                first: g.first_row(),
+                step: grid * g.per_block as u64,
+                chunk: block_idx_x() as u64,
+                chunks: grid,
+            };
+        }
+        let (col0, nvec) = cluster_run::<T, C>(cols);
+        let (cl, ncl) = (cluster_idx_x() as u64, cluster_count_x() as u64);
+        Span { col0, nvec, first: cl, step: ncl, chunk: cl, chunks: ncl }
+    }
+
+    /// Register-resident backward. `C = 1`: one group of threads holds a whole row. `C > 1`:
+    /// a cluster of `C` blocks (one group each) holds it, each block a run of its columns, and
+    /// the row sums are combined over the cluster through distributed shared memory
+    /// (`rows::RowReducer`): rows of 32768 f32 are 256 KB of `x` and `g`, more than one
+    /// SM's registers, but 64 KB on each of four SMs. Without it those rows stream (five passes
+    /// over memory instead of three).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize>(
+    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -325,31 +368,55 @@ mod device {
         cols: u64,
     ) {
         let g = Group::this();
-        let nvec = cols / T::VEC as u64;
+        let sp = span::<T, C>(&g, cols);
+        let nvec = sp.nvec;
+        // The block's part of every row, and of the weights, starts at column col0.
+        // SAFETY: col0 + nvec * VEC <= cols (span).
+        let (x, w, gr, gx) = unsafe {
+            let c0 = sp.col0 as usize;
+            (x.add(c0), if w.is_null() { w } else { w.add(c0) }, gr.add(c0), gx.add(c0))
+        };
         let inv_n = 1.0 / cols as f32;
         // This thread's columns are the same in every row: their weights stay in registers
         // (packed: half the registers for f16/bf16; unpacked where used), and their dw, db sums
         // in this group's region of shared memory, `[2][cols]` f32 after the reduction's slots.
         // In registers, the sums took 2 * V * VEC more of them: 120-160 registers a thread, one
         // or two blocks per SM, and the bf16 backward ran at 2100-2300 GB/s.
+        // In a cluster the weights are loaded where used instead (from L1: the block reads the
+        // same columns every row), to keep x and g within 64 registers without spilling.
         let has_w = !w.is_null();
         // SAFETY: the weights are one whole-vector row of cols elements, 16-byte aligned.
-        let wr = unsafe { load_row::<T, V>(w, nvec, &g, has_w) };
-        let weights = |s: usize| if has_w { T::unpack(opaque(wr[s])) } else { [1.0f32; 8] };
+        let wr = unsafe { load_row::<T, V>(w, nvec, &g, has_w && C == 1) };
+        let weights = |s: usize| {
+            if !has_w {
+                [1.0f32; 8]
+            } else if C == 1 {
+                T::unpack(opaque(wr[s]))
+            } else {
+                // SAFETY: slot s is present (callers check), so its vector is inside the weights.
+                T::unpack(unsafe { ld_global_nc_v4(w.add(slot_col::<T>(&g, s) as usize) as *const u32) })
+            }
+        };
         let sums_on = !partial.is_null();
         let smem = dyn_smem::<f32>();
-        let acc_base = (reduce_smem_bytes(g.size * g.per_block) / 4) as usize;
+        let slots = reduce_smem_bytes(g.size * g.per_block);
+        let acc_base = (slots / 4 + cluster_slots(C)) as usize;
+        let mut red = RowReducer::<C>::new(&g);
         // Each thread reads and writes only its own columns of its group's region until the
-        // final barrier, so no barrier is needed before then. Column c lives at `c + c / 32`:
-        // a warp's threads hold columns VEC apart, which unpadded would put lanes 4 (f32) or 8
-        // (bf16) apart on the same bank (an 8-way conflict: the bf16 backward ran at 1190
-        // GB/s); one pad word per 32 columns spreads them over all 32 banks, and a vector's
-        // lanes stay at constant offsets from its first column.
-        let region = padded(cols);
+        // final barrier, so no barrier is needed before then. Column c (of the block's part of
+        // the row) lives at `c + c / 32`: a warp's threads hold columns VEC apart, which
+        // unpadded would put lanes 4 (f32) or 8 (bf16) apart on the same bank (an 8-way
+        // conflict: the bf16 backward ran at 1190 GB/s); one pad word per 32 columns spreads
+        // them over all 32 banks, and a vector's lanes stay at constant offsets from its first
+        // column. (A quad-major layout with 16-byte accesses, tried: bf16 rows of 32768 in
+        // clusters +5%, but 80 -> 87-92 registers for the one-group kernels, one block an SM
+        // fewer, and bf16 at 16384 x 4096 -7%.)
+        let region = padded(nvec * T::VEC as u64);
         let mine = acc_base + g.ty as usize * 2 * region;
         let acc = |c: u64, k: usize, which: usize| {
-            // SAFETY: the host launches with reduce_smem_bytes + R * 2 * padded(cols) * 4 bytes
-            // when `partial` is not null; c + k < cols.
+            // SAFETY: the host launches with reduce_smem_bytes + cluster_slots + R * 2 *
+            // padded(columns of the block's part) * 4 bytes when `partial` is not null;
+            // c + k < those columns.
             unsafe { smem.add(mine + which * region + (c + c / 32) as usize + k) }
         };
         if sums_on {
@@ -369,16 +436,20 @@ mod device {
                 },
             );
         }
-        g.for_each_row(
+        // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
+        let load = |row: u64| unsafe {
+            let (ok, off) = (row < rows, (row * cols) as usize);
+            (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok))
+        };
+        g.for_each_row_from(
             rows,
+            sp.first,
+            sp.step,
             #[inline(always)]
             |row| {
                 let ok = row < rows;
                 let off = if ok { (row * cols) as usize } else { 0 };
-                // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
-                let (rx, rg) = unsafe {
-                    (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok))
-                };
+                let (rx, rg) = load(row);
                 let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
                 let mut sums = [0.0f32; 2];
                 for_slots::<V>(
@@ -406,7 +477,7 @@ mod device {
                         }
                     },
                 );
-                let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+                let [a, b] = red.reduce(&g, sums, [0.0; 2], add2);
                 for_slots::<V>(
                     #[inline(always)]
                     |s| {
@@ -429,17 +500,20 @@ mod device {
                 );
             },
         );
+        red.finish();
         if !sums_on {
             return;
         }
         // The block's groups cover the same columns: add their regions in group order, and write
-        // the block's partial row.
+        // the block's partial row (its part of it, in a cluster). No other block touches this
+        // block's shared memory after the exchange's final cluster barrier.
         sync_threads();
-        let chunks = grid_dim_x() as u64;
-        let blk = block_idx_x() as u64;
+        // Recomputed rather than kept live through the row loop (in a cluster, 64 registers).
+        let sp = span::<T, C>(&g, cols);
+        let (chunks, blk) = (sp.chunks, sp.chunk);
         let threads = (g.size * g.per_block) as u64;
         let mut c = (g.ty * g.size + g.t) as u64;
-        while c < cols {
+        while c < nvec * T::VEC as u64 {
             for which in 0..2u64 {
                 let mut v = 0.0f32;
                 let at = which as usize * region + (c + c / 32) as usize;
@@ -448,7 +522,7 @@ mod device {
                     v += unsafe { *smem.add(acc_base + r * 2 * region + at) };
                 }
                 // SAFETY: partial holds 2 * chunks * cols floats (host-checked); c < cols.
-                unsafe { *partial.add(((which * chunks + blk) * cols + c) as usize) = v };
+                unsafe { *partial.add(((which * chunks + blk) * cols + sp.col0 + c) as usize) = v };
             }
             c += threads;
         }
@@ -654,7 +728,13 @@ macro_rules! norm_kernels {
     (@bwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_v $v _ $sfx>]: NormBwdArgs<$T> =
             |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v>(x, w, g, mean, rstd, gx, partial, rows, cols));
+            bwd_reg::<$T, $N, $v, 1>(x, w, g, mean, rstd, gx, partial, rows, cols));
+    } )* };
+    // Clusters of C blocks, V vectors a thread: `<op>_bwd_c<C>_v<V>_<dtype>`.
+    (@bwdc $T:ty, $sfx:ident, $op:ident, $N:ident, $v:literal, $($c:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_c $c _v $v _ $sfx>]: NormBwdArgs<$T> =
+            |x, w, g, mean, rstd, gx, partial, rows, cols|
+            bwd_reg::<$T, $N, $v, $c>(x, w, g, mean, rstd, gx, partial, rows, cols));
     } )* };
 }
 crate::for_each_elem!(norm_kernels);
@@ -665,3 +745,19 @@ norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);
 norm_kernels!(@fwd f32, f32, rms_norm, Rms, 8);
 norm_kernels!(@bwd f32, f32, layer_norm, Layer, 4);
 norm_kernels!(@bwd f32, f32, rms_norm, Rms, 4);
+
+// Rows of 16K-64K elements (32768 is the suite's long row) held by clusters of 4 or 8 blocks of
+// up to 1024 threads (sm_90 only; older GPUs stream them), two vectors of x and of g a thread
+// (eight f32 or sixteen f16/bf16 elements each) within 64 registers. One vector of f16/bf16 a
+// thread measured 1760-1860 GB/s at 4096 x 32768 bf16 against 2270-2310 with two: a row's
+// fixed costs (two reductions, the exchange, index arithmetic) over twice the elements. Four
+// of f16/bf16 spill 180-190 bytes at 64 registers.
+#[cfg(target_feature = "sm_90")]
+macro_rules! norm_cluster_kernels {
+    ($T:ty, $sfx:ident, $v:literal) => {
+        norm_kernels!(@bwdc $T, $sfx, layer_norm, Layer, $v, 4 8);
+        norm_kernels!(@bwdc $T, $sfx, rms_norm, Rms, $v, 4 8);
+    };
+}
+#[cfg(target_feature = "sm_90")]
+crate::for_each_elem!(norm_cluster_kernels, 2);

@@ -202,6 +202,182 @@ pub unsafe fn st_shared_v4_f32(addr: u32, v: [f32; 4]) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Thread-block clusters (sm_90: Hopper and later). A kernel whose PTX carries
+// `.reqnctapercluster C, 1, 1` (build_ptx.rs adds it to kernels named `*_c<C>_*`) runs in
+// groups of C blocks that the hardware co-schedules on one GPC; they can read and write each
+// other's shared memory and wait for each other at a cluster barrier. Only kernels compiled for
+// sm_90 (`#[cfg(target_feature = "sm_90")]`) may call these: older targets have no such
+// instructions and ptxas rejects them.
+
+/// This block's rank in its cluster (`%cluster_ctarank`, 0 to C - 1).
+#[inline(always)]
+pub fn cluster_rank() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// This block's cluster along x (`%clusterid.x`).
+#[inline(always)]
+pub fn cluster_idx_x() -> u32 {
+    let r: u32;
+    // SAFETY: as above.
+    unsafe { asm!("mov.u32 {r}, %clusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// Clusters in the grid along x (`%nclusterid.x`).
+#[inline(always)]
+pub fn cluster_count_x() -> u32 {
+    let r: u32;
+    // SAFETY: as above.
+    unsafe { asm!("mov.u32 {r}, %nclusterid.x;", r = out(reg32) r, options(nomem, nostack, pure)) };
+    r
+}
+
+/// Barrier over every thread of every block of the cluster. Shared-memory writes to any block
+/// of the cluster made before it (release) are visible to every thread after it (acquire). Like
+/// [`sync_threads`], all threads of the cluster must reach it, never under a divergent branch.
+/// A block must also pass one before its first access to another block's shared memory (that
+/// block may not have started yet), and must not exit while others may still access its own.
+#[inline(always)]
+pub fn cluster_sync() {
+    // SAFETY: no memory preconditions; callers keep it convergent (`.aligned`). The explicit
+    // `.release`/`.acquire` (PTX 8.0, build_ptx.rs) are the instructions' default semantics,
+    // spelled out.
+    unsafe {
+        asm!(
+            "barrier.cluster.arrive.release.aligned;",
+            "barrier.cluster.wait.acquire.aligned;",
+            options(nostack, preserves_flags)
+        )
+    };
+}
+
+/// Stores one f32 into the shared memory of block `rank` of this cluster, at the address that
+/// `addr` has in this block's shared memory (`mapa`: same layout in every block).
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address inside the dynamic shared memory,
+/// `rank` below the cluster size, and the target block must be running (see [`cluster_sync`]).
+#[inline(always)]
+pub unsafe fn st_shared_cluster_f32(addr: u32, rank: u32, v: f32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "{{ .reg .b32 ra; mapa.shared::cluster.u32 ra, {a}, {r}; st.shared::cluster.f32 [ra], {v}; }}",
+            a = in(reg32) addr, r = in(reg32) rank, v = in(reg32) v,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Initialises the mbarrier (8 bytes, 8-byte aligned) at shared-window address `addr` to expect
+/// `count` arrivals per phase.
+///
+/// # Safety
+/// `addr` must be 8-byte aligned inside the dynamic shared memory, and no thread may use the
+/// barrier until a barrier after this (and, for other blocks of a cluster, after
+/// [`fence_mbarrier_init`] and a [`cluster_sync`]).
+#[inline(always)]
+pub unsafe fn mbarrier_init(addr: u32, count: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("mbarrier.init.shared::cta.b64 [{a}], {n};", a = in(reg32) addr, n = in(reg32) count,
+             options(nostack, preserves_flags));
+    }
+}
+
+/// Makes this thread's [`mbarrier_init`]s visible to the other blocks of the cluster (whose
+/// `st.async` will signal them).
+#[inline(always)]
+pub fn fence_mbarrier_init() {
+    // SAFETY: a fence has no preconditions.
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack, preserves_flags)) };
+}
+
+/// Arrives on the mbarrier at `addr` (this block's), first raising the bytes its current phase
+/// waits for by `bytes`: the phase completes once every expected arrival has come and that many
+/// bytes of `st.async` have landed (bytes that land before this call count too).
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier in this block's shared memory.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive_expect_tx(addr: u32, bytes: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "{{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [{a}], {b}; }}",
+            a = in(reg32) addr, b = in(reg32) bytes,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Waits until the phase of parity `parity` (0 or 1) of the mbarrier at `addr` has completed;
+/// acquire: what the phase's `st.async` wrote is visible afterwards.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier in this block's shared memory.
+#[inline(always)]
+pub unsafe fn mbarrier_wait_parity(addr: u32, parity: u32) {
+    loop {
+        let done: u32;
+        // SAFETY: per the function contract. Not pure: it must be re-executed every iteration.
+        unsafe {
+            asm!(
+                "{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{a}], {ph}; selp.u32 {d}, 1, 0, p; }}",
+                a = in(reg32) addr, ph = in(reg32) parity, d = out(reg32) done,
+                options(nostack, preserves_flags)
+            );
+        }
+        if done != 0 {
+            break;
+        }
+    }
+}
+
+/// Stores one f32 into the shared memory of block `rank` of this cluster, at the address `addr`
+/// has in this block, and signals 4 bytes to that block's mbarrier at `bar` (also this block's
+/// address; `st.async`, PTX 8.1): no fence, and no cluster barrier, to make it visible: the
+/// receiver waits on its mbarrier.
+///
+/// # Safety
+/// `addr` must be 4-byte aligned and `bar` an mbarrier, both in the dynamic shared memory;
+/// `rank` below the cluster size; the target block running and its barrier initialised (see
+/// [`fence_mbarrier_init`]), expecting these bytes in its current phase.
+#[inline(always)]
+pub unsafe fn st_async_cluster_f32(addr: u32, bar: u32, rank: u32, v: f32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "{{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, {a}, {r}; mapa.shared::cluster.u32 rb, {b}, {r}; \
+             st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [ra], {v}, [rb]; }}",
+            a = in(reg32) addr, b = in(reg32) bar, r = in(reg32) rank, v = in(reg32) v,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Loads one f32 from this block's shared memory at a shared-window address (explicit
+/// `ld.shared`, for the slots that other blocks of the cluster write: see
+/// [`st_shared_cluster_f32`]).
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address inside the dynamic shared memory.
+#[inline(always)]
+pub unsafe fn ld_shared_f32(addr: u32) -> f32 {
+    let v: f32;
+    // SAFETY: per the function contract. Not `readonly`: other blocks write these slots, and the
+    // cluster barrier between their writes and this read must order the two.
+    unsafe {
+        asm!("ld.shared.f32 {v}, [{p}];", v = out(reg32) v, p = in(reg32) addr, options(nostack, preserves_flags));
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
 // 16-byte global memory access: one instruction moves a whole vector, the widest access a
 // thread can make, which is what keeps enough bytes in flight for HBM bandwidth.
 

@@ -104,6 +104,7 @@ mod device {
         let row = g.first_row();
         let ok = row < rows;
         let nvec = cols / T::VEC as u64;
+        let mut red = RowReducer::<1>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
         // SAFETY: rows are whole vectors (host-checked), so row `row` starts 16-byte aligned.
         let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
@@ -123,7 +124,7 @@ mod device {
                 }
             },
         );
-        let [m] = group_reduce(&g, [m], [f32::NEG_INFINITY], max1);
+        let [m] = red.reduce(&g, [m], [f32::NEG_INFINITY], max1);
         let o = offset(m);
         let mut sum = 0.0f32;
         for_slots::<V>(
@@ -138,7 +139,7 @@ mod device {
                 }
             },
         );
-        let [sum] = group_reduce(&g, [sum], [0.0], add);
+        let [sum] = red.reduce(&g, [sum], [0.0], add);
         // With m NaN or +inf, o keeps it and every output is NaN, as in PyTorch.
         let (o, inv_s, log_s) = (o, 1.0 / sum, log(sum));
         for_slots::<V>(
@@ -156,6 +157,7 @@ mod device {
                 }
             },
         );
+        red.finish();
     }
 
     pub unsafe fn fwd_stream<T: Elem, S: Kind>(x: *const T, y: *mut T, rows: u64, cols: u64) {
@@ -234,7 +236,11 @@ mod device {
         [nan_max(a[0], b[0])]
     }
 
-    pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize>(
+    /// Register-resident backward: one group per row (`C = 1`), or (sm_90) a cluster of `C`
+    /// blocks per row, each holding a run of it (`rows::cluster_run`), the row's dot product
+    /// combined over the cluster (`rows::ClusterExchange`). Rows of 32768 f32 (y and g: 256 KB)
+    /// streamed at 2070 GB/s; two blocks of 1024 threads hold them at four vectors a thread.
+    pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize, const C: u32>(
         y: *const T,
         gr: *const T,
         gx: *mut T,
@@ -242,9 +248,12 @@ mod device {
         cols: u64,
     ) {
         let g = Group::this();
-        let row = g.first_row();
+        let row = launch_row::<C>(&g);
         let ok = row < rows;
-        let nvec = cols / T::VEC as u64;
+        let (col0, nvec) = cluster_run::<T, C>(cols);
+        // SAFETY: col0 + nvec * VEC <= cols.
+        let (y, gr, gx) = unsafe { (y.add(col0 as usize), gr.add(col0 as usize), gx.add(col0 as usize)) };
+        let mut red = RowReducer::<C>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
         // SAFETY: as fwd_reg; gx aliases neither input, so the `.nc` loads see no writes.
         let (ry, rg) =
@@ -262,7 +271,7 @@ mod device {
                 }
             },
         );
-        let [dot] = group_reduce(&g, [dot], [0.0], add);
+        let [dot] = red.reduce(&g, [dot], [0.0], add);
         for_slots::<V>(
             #[inline(always)]
             |s| {
@@ -278,6 +287,7 @@ mod device {
                 }
             },
         );
+        red.finish();
     }
 
     pub unsafe fn bwd_stream<T: Elem, S: Kind>(y: *const T, gr: *const T, gx: *mut T, rows: u64, cols: u64) {
@@ -371,9 +381,27 @@ macro_rules! softmax_kernels {
     } )* };
     (@bwd $T:ty, $sfx:ident, $op:ident, $K:ident, $($v:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_v $v _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
-            bwd_reg::<$T, $K, $v>(y, g, gx, rows, cols));
+            bwd_reg::<$T, $K, $v, 1>(y, g, gx, rows, cols));
+    } )* };
+    // Clusters of C blocks, four vectors a thread: `<op>_bwd_c<C>_v4_<dtype>` (sm_90).
+    (@bwdc $T:ty, $sfx:ident, $op:ident, $K:ident, $($c:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_c $c _v4_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+            bwd_reg::<$T, $K, 4, $c>(y, g, gx, rows, cols));
     } )* };
 }
+// Rows too long for one block's registers in the backward (over 16384 f32 or 32768 f16/bf16)
+// held by a cluster of 2, 4 or 8 blocks (sm_90; older GPUs stream them). The forward has no
+// cluster kernels: one cluster per row at four vectors a thread, tried, ran slower than one
+// block per row (f32 at 4096 x 32768: 2021 against 2670 GB/s; benches/NOTES.md).
+#[cfg(target_feature = "sm_90")]
+macro_rules! softmax_cluster_kernels {
+    ($T:ty, $sfx:ident) => {
+        softmax_kernels!(@bwdc $T, $sfx, softmax, Softmax, 2 4 8);
+        softmax_kernels!(@bwdc $T, $sfx, log_softmax, LogSoftmax, 2 4 8);
+    };
+}
+#[cfg(target_feature = "sm_90")]
+crate::for_each_elem!(softmax_cluster_kernels);
 crate::for_each_elem!(softmax_kernels);
 // Eight vectors per thread only for f32 softmax: halves reach the longest register-resident row
 // (32768) with four, and eight of theirs (64 values) do not fit the 64 registers of a 1024-thread
