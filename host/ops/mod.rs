@@ -122,9 +122,51 @@ pub(crate) fn row_plan(
 /// backward), which hold four vectors a thread.
 pub(crate) const ROW_CLUSTERS: [u32; 3] = [2, 4, 8];
 
+/// A row cut into runs over a thread-block cluster (sm_90; `kernels-gpu/src/rows.rs`): the kernel
+/// `<stem>_c<C>_v<V>_<dt>`, `C` blocks of `threads` threads, and the block's dynamic shared
+/// memory (the reductions', the cluster exchange's and the caller's `extra`).
+pub(crate) struct ClusterSplit {
+    pub kernel: String,
+    pub blocks: u32,
+    pub threads: u32,
+    pub shared_bytes: u32,
+}
+
+/// The smallest cluster of `sizes` whose blocks of at most `max_threads` threads hold a row of
+/// `cols` at `v` vectors a thread, where the device's module has that kernel (sm_90), the rows
+/// are whole vectors, and the shared memory fits; `extra(run_cols)` is what the caller's kernel
+/// keeps per block for a run of `run_cols` columns. `None` otherwise.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cluster_kernel(
+    dev: &crate::Device,
+    stem: &str,
+    dt: kernels_gpu::DType,
+    cols: u64,
+    v: u64,
+    sizes: &[u32],
+    max_threads: u32,
+    extra: impl Fn(u64) -> u64,
+) -> Result<Option<ClusterSplit>> {
+    use kernels_gpu::rows::{cluster_slots, reduce_smem_bytes};
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    if !cols.is_multiple_of(vec) {
+        return Ok(None);
+    }
+    let Some((c, g)) = crate::launch::cluster_split(cols / vec, v, sizes, max_threads) else { return Ok(None) };
+    let kernel = format!("{stem}_c{c}_v{v}_{}", dt.suffix());
+    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? {
+        return Ok(None);
+    }
+    let run_cols = (cols / vec).div_ceil(c as u64) * vec;
+    let smem = reduce_smem_bytes(g) as u64 + cluster_slots(c) as u64 * 4 + extra(run_cols);
+    if smem > dev.max_shared_bytes() as u64 {
+        return Ok(None);
+    }
+    Ok(Some(ClusterSplit { kernel, blocks: c, threads: g, shared_bytes: smem as u32 }))
+}
+
 /// A launch of `<stem>_c<C>_v4_<dt>` with one cluster of `C` blocks of at most `max_threads`
-/// threads per row (`kernels-gpu/src/rows.rs`, `RowReducer`), where the device's module has
-/// the kernel (sm_90) and the rows are whole vectors; `None` otherwise.
+/// threads per row ([`cluster_kernel`]); `None` where there is no such kernel or split.
 pub(crate) fn cluster_row_plan(
     dev: &crate::Device,
     stem: &str,
@@ -133,25 +175,19 @@ pub(crate) fn cluster_row_plan(
     cols: u64,
     max_threads: u32,
 ) -> Result<Option<RowPlan>> {
-    use kernels_gpu::rows::{cluster_slots, reduce_smem_bytes};
-    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    if rows == 0 || !cols.is_multiple_of(vec) {
-        return Ok(None);
-    }
-    let Some((c, g)) = crate::launch::cluster_split(cols / vec, 4, &ROW_CLUSTERS, max_threads) else {
+    let Some(cs) = cluster_kernel(dev, stem, dt, cols, 4, &ROW_CLUSTERS, max_threads, |_| 0)? else {
         return Ok(None);
     };
-    let kernel = format!("{stem}_c{c}_v4_{}", dt.suffix());
-    let blocks = rows * c as u64;
-    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? || blocks > i32::MAX as u64 {
+    let blocks = rows * cs.blocks as u64;
+    if rows == 0 || blocks > i32::MAX as u64 {
         return Ok(None);
     }
     let cfg = crate::device::LaunchConfig {
         grid: (blocks as u32, 1, 1),
-        block: (g, 1, 1),
-        shared_bytes: reduce_smem_bytes(g) + cluster_slots(c) * 4,
+        block: (cs.threads, 1, 1),
+        shared_bytes: cs.shared_bytes,
     };
-    Ok(Some(RowPlan { kernel, cfg, v: Some(4) }))
+    Ok(Some(RowPlan { kernel: cs.kernel, cfg, v: Some(4) }))
 }
 
 /// `x` must have at least one dimension; returns `(rows, cols)` over the last one.

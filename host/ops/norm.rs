@@ -8,7 +8,6 @@ use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
 use kernels_gpu::norm::{COLSUM_LANES, NormBwdArgs, NormColGradArgs, NormColsumArgs, NormFwdArgs, padded};
-use kernels_gpu::rows::{cluster_slots, reduce_smem_bytes};
 
 /// PyTorch's default `eps` of `layer_norm`.
 pub const LAYER_NORM_EPS: f32 = 1e-5;
@@ -362,30 +361,23 @@ fn cluster_plan(
     cols: u64,
     want_params: bool,
 ) -> Result<Option<(u32, super::RowPlan)>> {
-    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    if rows == 0 || !cols.is_multiple_of(vec) {
-        return Ok(None);
-    }
     let v = CLUSTER_VECTORS;
-    let Some((c, g)) = launch::cluster_split(cols / vec, v, &CLUSTERS, 1024) else { return Ok(None) };
-    let kernel = format!("{stem}_c{c}_v{v}_{}", dt.suffix());
-    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? {
+    let sums = |run_cols: u64| if want_params { 2 * padded(run_cols) as u64 * 4 } else { 0 };
+    let Some(cs) = super::cluster_kernel(dev, stem, dt, cols, v, &CLUSTERS, 1024, sums)? else { return Ok(None) };
+    if rows == 0 {
         return Ok(None);
     }
-    let seg_cols = (cols / vec).div_ceil(c as u64) * vec;
-    let sums = if want_params { 2 * padded(seg_cols) as u64 * 4 } else { 0 };
-    let smem = reduce_smem_bytes(g) as u64 + cluster_slots(c) as u64 * 4 + sums;
-    if smem > dev.max_shared_bytes() as u64 {
-        return Ok(None);
-    }
-    let smem = smem as u32;
-    let resident = dev.max_active_clusters(&kernel, c, g, smem)?;
+    let resident = dev.max_active_clusters(&cs.kernel, cs.blocks, cs.threads, cs.shared_bytes)?;
     if resident == 0 {
         return Ok(None);
     }
     let clusters = (resident as u64).min(rows) as u32;
-    let cfg = crate::device::LaunchConfig { grid: (clusters * c, 1, 1), block: (g, 1, 1), shared_bytes: smem };
-    Ok(Some((c, super::RowPlan { kernel, cfg, v: Some(v as usize) })))
+    let cfg = crate::device::LaunchConfig {
+        grid: (clusters * cs.blocks, 1, 1),
+        block: (cs.threads, 1, 1),
+        shared_bytes: cs.shared_bytes,
+    };
+    Ok(Some((cs.blocks, super::RowPlan { kernel: cs.kernel, cfg, v: Some(v as usize) })))
 }
 
 fn shapes_f32(op: &'static str, t: &Tensor, shape: &[usize]) -> Result<()> {
