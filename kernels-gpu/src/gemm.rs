@@ -142,66 +142,17 @@ mod device {
     use super::*;
     use crate::prim;
 
-    /// Writes `$body` out `$n` times with `$k` the literal 0, 1, ...: the K loop of a stage must
-    /// be straight-line code, its shared-memory offsets immediates, which LLVM's unroller does
-    /// not guarantee for a 512-FFMA body.
-    macro_rules! unroll8 {
-        ($k:ident => $body:block) => {{
-            {
-                const $k: u32 = 0;
+    /// Writes `$body` out once per literal, with `$k` a constant of type `$t` bound to it: the
+    /// K loop of a stage must be straight-line code, its shared-memory offsets immediates,
+    /// which LLVM's unroller does not guarantee for a 512-FFMA body; and the epilogue's
+    /// per-element code includes the activation's branches, too big for LLVM to unroll, where
+    /// a rolled loop indexes its 4 values in local memory.
+    macro_rules! unroll {
+        ($k:ident: $t:ty; $($n:literal)* => $body:block) => {{
+            $( {
+                const $k: $t = $n;
                 $body
-            }
-            {
-                const $k: u32 = 1;
-                $body
-            }
-            {
-                const $k: u32 = 2;
-                $body
-            }
-            {
-                const $k: u32 = 3;
-                $body
-            }
-            {
-                const $k: u32 = 4;
-                $body
-            }
-            {
-                const $k: u32 = 5;
-                $body
-            }
-            {
-                const $k: u32 = 6;
-                $body
-            }
-            {
-                const $k: u32 = 7;
-                $body
-            }
-        }};
-    }
-    /// As `unroll8!`, four times: the epilogue's per-element code includes the activation's
-    /// branches, too big for LLVM to unroll, and a rolled loop indexes its 4 values in local
-    /// memory.
-    macro_rules! unroll4 {
-        ($k:ident => $body:block) => {{
-            {
-                const $k: usize = 0;
-                $body
-            }
-            {
-                const $k: usize = 1;
-                $body
-            }
-            {
-                const $k: usize = 2;
-                $body
-            }
-            {
-                const $k: usize = 3;
-                $body
-            }
+            } )*
         }};
     }
 
@@ -406,7 +357,7 @@ mod device {
         // Unrolled, so that every accumulator index is a constant and `acc` stays in registers.
         let c_al = (c as u64 | (ldc * 4) | (stride_c * 4)) & 15 == 0 && (bias as u64) & 15 == 0;
         let (col0, col1) = (n0 + 4 * tx, n0 + 4 * tx + BN / 2);
-        unroll8!(I => {
+        unroll!(I: u32; 0 1 2 3 4 5 6 7 => {
             let row = m0 + 4 * ty + (I % 4) + (I / 4) * (BM / 2);
             if row < m {
                 let r = &acc[I as usize];
@@ -460,7 +411,7 @@ mod device {
                 let more = $more;
                 if more $load
                 let (pa, pb) = (a_frag + cur, b_frag + cur);
-                unroll8!(KS => {
+                unroll!(KS: u32; 0 1 2 3 4 5 6 7 => {
                     // SAFETY: inside stage `cur` of the shared memory the host sized.
                     let (a0, a1, b0, b1) = unsafe {
                         (
@@ -550,13 +501,13 @@ mod device {
                         prim::ld_global_nc_v4(bias.add(col as usize) as *const u32)
                     };
                     let mut out = [0u32; 4];
-                    unroll4!(J => {
+                    unroll!(J: usize; 0 1 2 3 => {
                         out[J] = epilogue(vals[J], alpha, beta, || f32::from_bits(old[J]), f32::from_bits(bv[J]), epi).to_bits();
                     });
                     prim::st_global_v4(p as *mut u32, out);
                 }
             } else {
-                unroll4!(J => {
+                unroll!(J: usize; 0 1 2 3 => {
                     let cj = col + J as u32;
                     if cj < n {
                         // SAFETY: inside C and bias.
