@@ -18,10 +18,14 @@ pub enum MathFn {
     Sinpi = 6,
     Cospi = 7,
     Sqrt = 8,
+    /// `fastmath::normal_cdf`, GELU's Phi (not an ulp-accurate function: its own bound).
+    NormalCdf = 9,
+    /// `fastmath::normal_pdf`, GELU's backward phi (likewise).
+    NormalPdf = 10,
 }
 
 impl MathFn {
-    pub const ALL: [MathFn; 9] = [
+    pub const ALL: [MathFn; 11] = [
         MathFn::Exp,
         MathFn::Expm1,
         MathFn::Log,
@@ -31,6 +35,8 @@ impl MathFn {
         MathFn::Sinpi,
         MathFn::Cospi,
         MathFn::Sqrt,
+        MathFn::NormalCdf,
+        MathFn::NormalPdf,
     ];
 
     /// The function as the kernels call it (`crate::fastmath`: on the CPU, `crate::math`).
@@ -47,6 +53,8 @@ impl MathFn {
             MathFn::Sinpi => m::sinpi(x),
             MathFn::Cospi => m::cospi(x),
             MathFn::Sqrt => m::sqrt(x),
+            MathFn::NormalCdf => m::normal_cdf(x),
+            MathFn::NormalPdf => m::normal_pdf(x),
         }
     }
 }
@@ -62,7 +70,9 @@ unsafe fn probe(x: *const f32, y: *mut f32, n: u64, which: u32) {
         5 => MathFn::Erf,
         6 => MathFn::Sinpi,
         7 => MathFn::Cospi,
-        _ => MathFn::Sqrt,
+        8 => MathFn::Sqrt,
+        9 => MathFn::NormalCdf,
+        _ => MathFn::NormalPdf,
     };
     let mut i = crate::prim::global_thread_x();
     while i < n {

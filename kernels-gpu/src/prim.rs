@@ -509,6 +509,21 @@ pub fn ex2_approx(x: f32) -> f32 {
     y
 }
 
+/// 2^x by the special function unit with denormal inputs and results flushed to zero
+/// (`ex2.approx.ftz.f32`): one MUFU.EX2, where the form without `.ftz` adds a compare and two
+/// predicated multiplies to reach the denormal range. For callers whose result cannot usefully
+/// be below 2^-126 (or where zero is as good).
+#[inline(always)]
+pub fn ex2_approx_ftz(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("ex2.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    y
+}
+
 /// `max(a, b)`, NaN if either is NaN (`max.NaN.f32`, sm_80+: one instruction where a compare
 /// and select would take three).
 #[inline(always)]
