@@ -203,10 +203,14 @@ fn argmax_kernels(dt: DType) -> [&'static str; 3] {
     [k!("reduce_argmax_all", dt), "reduce_argmax_final", k!("reduce_argmax_rows", dt)]
 }
 
-/// The stage-1 kernel of the sums over the leading dimensions for `dt`; stage 2 is
-/// `norm_colsum` (listed by norm.rs).
-fn cols_kernel(dt: DType) -> &'static str {
-    kernels_gpu::kernel_name!("reduce_sum_cols", dt)
+/// The stage-1 kernel of the sums over the leading dimensions for `dt`, for rows of whole 16-byte
+/// vectors (`aligned`) or not; stage 2 is `norm_colsum` (listed by norm.rs).
+fn cols_kernel(dt: DType, aligned: bool) -> &'static str {
+    if aligned {
+        kernels_gpu::kernel_name!("reduce_sum_cols", dt)
+    } else {
+        kernels_gpu::kernel_name!("reduce_sum_cols_unaligned", dt)
+    }
 }
 
 /// Every kernel this module launches, with the parameter count of its signature.
@@ -225,7 +229,9 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
         let [a, _, r] = argmax_kernels(dt);
         v.push((a.to_string(), arity::<ArgmaxPartArgs<f32>>()));
         v.push((r.to_string(), arity::<ArgmaxRowsArgs<f32>>()));
-        v.push((cols_kernel(dt).to_string(), arity::<ReduceColsArgs<f32>>()));
+        for aligned in [true, false] {
+            v.push((cols_kernel(dt, aligned).to_string(), arity::<ReduceColsArgs<f32>>()));
+        }
     }
     v.push((argmax_kernels(DType::F32)[1].to_string(), arity::<ArgmaxFinalArgs>()));
     v
@@ -417,8 +423,8 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
 }
 
 fn cols_plan_for(dev: &Device, rows: u64, cols: u64, dt: DType) -> Result<Option<ColsPlan>> {
-    let k = cols_kernel(dt);
     let vec = vec_width(dt);
+    let k = cols_kernel(dt, cols.is_multiple_of(vec));
     let bps = dev.blocks_per_sm(k, COLS_BLOCK, cols_smem_bytes(vec as u32))?;
     Ok(cols_plan(rows, cols, vec, dev.sm_count(), bps))
 }
@@ -474,7 +480,8 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
         op: name,
         message: format!("{cols} columns need more than 2^31 - 1 blocks (shape {:?})", x.shape()),
     })?;
-    let k = cols_kernel(dt);
+    // The plan above sized its grid for this kernel's occupancy.
+    let k = cols_kernel(dt, cols.is_multiple_of(vec_width(dt)));
     let mut partial = match plan.chunks {
         1 => None,
         c => Some(Tensor::alloc(name, dev, &[c as usize, cols as usize], DType::F32)?),

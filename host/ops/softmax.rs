@@ -12,9 +12,9 @@ use kernels_gpu::kernel::Params;
 use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxFwdArgs};
 
 /// Vectors per thread of the register-resident instances (see the kernel file for why f32
-/// softmax forward alone has eight).
+/// log-softmax's forward has no eight).
 fn fwd_vectors(log: bool, dt: DType) -> &'static [usize] {
-    if !log && dt == DType::F32 { &[1, 2, 4, 8] } else { &[1, 2, 4] }
+    if log && dt == DType::F32 { &[1, 2, 4] } else { &[1, 2, 4, 8] }
 }
 const BWD_VECTORS: &[usize] = &[1, 2, 4];
 

@@ -275,26 +275,67 @@ mod device {
         );
     }
 
-    /// Stage 1 of the sums over the leading dimensions (see the module comment).
-    pub unsafe fn reduce_cols<T: Elem>(x: *const T, partial: *mut f32, out: *mut T, rows: u64, cols: u64, scale: f32) {
+    /// Rows `r, r + step, ...` of this thread's row lane (chunk `blockIdx.y`, lane `ty`) into
+    /// `acc`, `ld(r)` loading row r's VEC columns: loads first, then a tree per round (see
+    /// `grid_fold`). Written out, not an array of rows: an array indexed in a loop lands in local
+    /// memory.
+    #[inline(always)]
+    fn fold_rows<T: Elem>(acc: &mut [f32; 8], rows: u64, ld: impl Fn(u64) -> [f32; 8]) {
         const { assert!(UNROLL == 4, "the round below is written out for four rows") };
+        let by = block_dim_y() as u64;
+        let step = grid_dim_y() as u64 * by;
+        let mut r = block_idx_y() as u64 * by + thread_idx_y() as u64;
+        while r + 3 * step < rows {
+            let (a, b, c, d) = (ld(r), ld(r + step), ld(r + 2 * step), ld(r + 3 * step));
+            for_lanes::<T>(
+                #[inline(always)]
+                |k| acc[k] += (a[k] + b[k]) + (c[k] + d[k]),
+            );
+            r += UNROLL as u64 * step;
+        }
+        while r < rows {
+            let a = ld(r);
+            for_lanes::<T>(
+                #[inline(always)]
+                |k| acc[k] += a[k],
+            );
+            r += step;
+        }
+    }
+
+    /// Stage 1 of the sums over the leading dimensions (see the module comment).
+    ///
+    /// `ALIGNED`: rows of whole 16-byte vectors (`cols % VEC == 0`, host-checked), one vector
+    /// load a row; otherwise `VEC` scalar loads. Two kernels rather than a test in the loop:
+    /// ptxas sizes a kernel's registers for its hungriest path, and with both loops in one kernel
+    /// the scalar one (32 loads in flight) gave f16/bf16 70 registers, three 256-thread blocks
+    /// an SM and 48 KB of loads in flight: 1400 GB/s at 8192 x 4096 bf16 (f32: 2170). Apart, the
+    /// bf16 kernel over whole vectors takes 48 registers (five blocks): 1620 GB/s.
+    pub unsafe fn reduce_cols<T: Elem, const ALIGNED: bool>(
+        x: *const T,
+        partial: *mut f32,
+        out: *mut T,
+        rows: u64,
+        cols: u64,
+        scale: f32,
+    ) {
         let (tx, ty, bx, by) = (thread_idx_x(), thread_idx_y(), block_dim_x(), block_dim_y());
         let w = T::VEC as u64;
         // The first of this thread's VEC columns.
         let c0 = (block_idx_x() as u64 * bx as u64 + tx as u64) * w;
         let mut acc = [0.0f32; 8];
         if c0 < cols {
-            // Rows of whole vectors start 16-byte aligned (x is a whole allocation).
-            let aligned = cols % w == 0;
-            // SAFETY: callers pass r < rows; columns c0 + k < cols are read, so every element
-            // lies inside x (rows * cols elements), and with `aligned` the VEC of them (c0 is a
-            // multiple of VEC) are one aligned 16-byte vector.
-            let ld = #[inline(always)]
-            |r: u64| unsafe {
-                let p = x.add((r * cols + c0) as usize);
-                if aligned {
-                    T::unpack(ld_global_nc_v4(p as *const u32))
-                } else {
+            // SAFETY (both loaders): callers pass r < rows; columns c0 + k < cols are read, so
+            // every element lies inside x (rows * cols elements).
+            if ALIGNED {
+                // Rows of whole vectors start 16-byte aligned (x is a whole allocation) and c0 is a
+                // multiple of VEC: one aligned 16-byte vector.
+                fold_rows::<T>(&mut acc, rows, |r| unsafe {
+                    T::unpack(ld_global_nc_v4(x.add((r * cols + c0) as usize) as *const u32))
+                });
+            } else {
+                fold_rows::<T>(&mut acc, rows, |r| unsafe {
+                    let p = x.add((r * cols + c0) as usize);
                     let mut v = [0.0f32; 8];
                     for_lanes::<T>(
                         #[inline(always)]
@@ -305,27 +346,7 @@ mod device {
                         },
                     );
                     v
-                }
-            };
-            let step = grid_dim_y() as u64 * by as u64;
-            let mut r = block_idx_y() as u64 * by as u64 + ty as u64;
-            // Loads first, then a tree per round (see `grid_fold`). Written out, not an array of
-            // rows: an array indexed in a loop lands in local memory.
-            while r + 3 * step < rows {
-                let (a, b, c, d) = (ld(r), ld(r + step), ld(r + 2 * step), ld(r + 3 * step));
-                for_lanes::<T>(
-                    #[inline(always)]
-                    |k| acc[k] += (a[k] + b[k]) + (c[k] + d[k]),
-                );
-                r += UNROLL as u64 * step;
-            }
-            while r < rows {
-                let a = ld(r);
-                for_lanes::<T>(
-                    #[inline(always)]
-                    |k| acc[k] += a[k],
-                );
-                r += step;
+                });
             }
         }
         // The row lanes as a tree over shared memory ([ty][tx][VEC]); `by` is a power of two and
@@ -518,7 +539,7 @@ mod device {
 pub use device::*;
 
 // --- the kernels: `reduce_<sum|max|min|argmax>_<all|final|rows>_<dtype>`, `reduce_argmax_final`,
-// `reduce_sum_cols_<dtype>` ---------------------------------------------------------------------
+// `reduce_sum_cols_[unaligned_]<dtype>` -----------------------------------------------------------
 
 macro_rules! reduce_kernels {
     ($T:ty, $sfx:ident) => {
@@ -531,7 +552,9 @@ macro_rules! reduce_kernels {
             $crate::kernel!([<reduce_argmax_rows_ $sfx>]: ArgmaxRowsArgs<$T> = |x, out, rows, cols|
                 argmax_rows::<$T>(x, out, rows, cols));
             $crate::kernel!([<reduce_sum_cols_ $sfx>]: ReduceColsArgs<$T> = |x, partial, out, rows, cols, scale|
-                reduce_cols::<$T>(x, partial, out, rows, cols, scale));
+                reduce_cols::<$T, true>(x, partial, out, rows, cols, scale));
+            $crate::kernel!([<reduce_sum_cols_unaligned_ $sfx>]: ReduceColsArgs<$T> =
+                |x, partial, out, rows, cols, scale| reduce_cols::<$T, false>(x, partial, out, rows, cols, scale));
         }
     };
     (@op $T:ty, $sfx:ident, $op:ident, $O:ident) => {

@@ -123,11 +123,21 @@ pub fn build_ptx_cmd(o: &BuildPtxOpts) -> Result<(), String> {
 /// - `layer_norm_fwd_v8_f32`: a row of 32768 f32 in the registers of 1024 threads (64 each) plus
 ///   the mean, rstd, weight and bias; 16 bytes stored and loaded once per row, against the
 ///   streaming kernel's two extra reads of the row (1842 GB/s at 4096 x 32768 on the H100).
+/// - `{layer,rms}_norm_fwd_v8_{f16,bf16}`: the same for rows of 32768 in 512 threads (two blocks
+///   an SM), 8 bytes on sm_90, 16-24 on sm_80.
 /// - `gemm_{nn,tn,tt}_128x128`, on sm_80 only: a few words in the loop for edge tiles (bounds
 ///   tests per chunk) under the 128-register cap that fits two blocks an SM; the loop of interior
 ///   tiles, where large products spend their time, has none (read in the SASS), and sm_90 none.
-const KNOWN_SPILLS: &[(&str, u64)] =
-    &[("layer_norm_fwd_v8_f32", 16), ("gemm_nn_128x128", 84), ("gemm_tn_128x128", 8), ("gemm_tt_128x128", 16)];
+const KNOWN_SPILLS: &[(&str, u64)] = &[
+    ("layer_norm_fwd_v8_f32", 16),
+    ("layer_norm_fwd_v8_f16", 24),
+    ("layer_norm_fwd_v8_bf16", 24),
+    ("rms_norm_fwd_v8_f16", 16),
+    ("rms_norm_fwd_v8_bf16", 16),
+    ("gemm_nn_128x128", 84),
+    ("gemm_tn_128x128", 8),
+    ("gemm_tt_128x128", 16),
+];
 
 /// `ptxas` from `$PTXAS`, else PATH, else the `nvidia-cuda-nvcc-cu12` pip wheel, with where it
 /// came from. An explicit `$PTXAS` that does not exist is an error.
