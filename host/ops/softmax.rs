@@ -11,10 +11,12 @@ use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
 use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxFwdArgs};
 
-/// Vectors per thread of the register-resident instances (see the kernel file for why f32
-/// log-softmax's forward has no eight).
-fn fwd_vectors(log: bool, dt: DType) -> &'static [usize] {
-    if log && dt == DType::F32 { &[1, 2, 4] } else { &[1, 2, 4, 8] }
+/// Vectors per thread of the register-resident forward instances for rows of `cols` (see the
+/// kernel file for why f32 log-softmax's forward has no eight). For f16/bf16, eight only for
+/// rows over 16384, as the norms (`norm.rs`); `u64::MAX` gives every instance.
+fn fwd_vectors(log: bool, dt: DType, cols: u64) -> &'static [usize] {
+    let half = dt != DType::F32;
+    if (log && !half) || (half && cols <= 16384) { &[1, 2, 4] } else { &[1, 2, 4, 8] }
 }
 const BWD_VECTORS: &[usize] = &[1, 2, 4];
 
@@ -34,7 +36,7 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
     check_same_shape(op, x, y, "the output must have the input's shape")?;
     let (rows, cols) = rows_cols(op, x)?;
     let dt = x.dtype();
-    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)? else {
+    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), true)? else {
         return Ok(());
     };
     with_elem!(dt, |T| {
@@ -83,7 +85,7 @@ fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64
 /// for rows x cols of `dt` (for tests: which path a shape takes).
 #[doc(hidden)]
 pub fn softmax_kernels(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<[String; 2]> {
-    let fwd = row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt), true)?;
+    let fwd = row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), true)?;
     let bwd = backward_plan(dev, log, dt, rows, cols)?;
     Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|p| p.kernel).unwrap_or_default()])
 }
@@ -136,7 +138,7 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
     for dt in DType::ALL {
         let (f, b) = with_elem!(dt, |T| (<SoftmaxFwdArgs<T> as Params>::ARITY, <SoftmaxBwdArgs<T> as Params>::ARITY));
         for log in [false, true] {
-            for &n in fwd_vectors(log, dt) {
+            for &n in fwd_vectors(log, dt, u64::MAX) {
                 v.push((format!("{}_v{n}_{}", stem(log, "fwd"), dt.suffix()), f));
             }
             for &n in BWD_VECTORS {

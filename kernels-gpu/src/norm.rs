@@ -739,8 +739,9 @@ macro_rules! norm_kernels {
 }
 crate::for_each_elem!(norm_kernels);
 // As softmax: eight vectors per thread for rows of up to 32768, f32 in a 1024-thread group, f16/
-// bf16 (rows over 4096) in up to 512 threads, two blocks an SM at 32768 (bf16 layer norm at
-// 4096 x 32768: 2479 GB/s with four vectors in 1024 threads, 2766 with eight). The second reduction, weights and biases on top of
+// bf16 rows of 16385 to 32768 in up to 512 threads, two blocks an SM (bf16 layer norm at 4096 x
+// 32768: 2479 GB/s with four vectors in 1024 threads, 2766 with eight; at 8192 x 8192, eight
+// were 5% slower than four, so the host offers them only to the long rows). The second reduction, weights and biases on top of
 // the row spill 8-16 bytes at 64 registers, accepted (xtask's KNOWN_SPILLS): once per row,
 // against two more reads of the row streaming.
 norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);

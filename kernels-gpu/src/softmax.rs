@@ -419,11 +419,10 @@ crate::for_each_elem!(softmax_cluster_kernels);
 crate::for_each_elem!(softmax_kernels);
 // Eight vectors per thread: f32 softmax's rows of 16385 to 32768 in one 1024-thread block (f32
 // log-softmax spilled at 64 registers, its `log` on top of the row, so those rows stream), and
-// f16/bf16 rows over 4096 (`launch::reg_vectors` takes the fewest vectors that keep a group
-// within 128, 256, 512 threads): rows of 32768 in 512 threads, within 64 registers, two such
-// blocks an SM, one row's reductions and `exp` overlapping the other's loads. With four vectors
-// in 1024 threads (one block an SM) bf16 softmax at 4096 x 32768 ran at 2461 GB/s; with eight,
-// 2865.
+// f16/bf16 rows of 16385 to 32768 (the host offers eight only there: shorter rows were 1-5%
+// slower with it) in up to 512 threads within 64 registers, two such blocks an SM, one row's
+// reductions and `exp` overlapping the other's loads. With four vectors in 1024 threads (one
+// block an SM) bf16 softmax at 4096 x 32768 ran at 2461 GB/s; with eight, 2865.
 softmax_kernels!(@fwd f32, f32, softmax, Softmax, 8);
 softmax_kernels!(@fwd crate::dtype::BF16, bf16, softmax, Softmax, 8);
 softmax_kernels!(@fwd crate::dtype::F16, f16, softmax, Softmax, 8);
