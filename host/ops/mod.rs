@@ -71,6 +71,15 @@ pub(crate) struct RowPlan {
     pub v: Option<usize>,
 }
 
+/// Whether a register-resident forward (softmax, the norms) may hold rows of `cols` elements of
+/// `dt` at eight vectors a thread: f32 always; f16/bf16 only for rows over 16384, which four
+/// would hold only in blocks over 512 threads (one an SM), while eight hold rows of 32768 in 512
+/// threads, two blocks an SM. Below, eight cost 1-5% (bf16 layer norm at 8192 x 8192: 2781 GB/s
+/// with four, 2647 with eight; `benches/NOTES.md`).
+pub(crate) fn eight_vectors_fwd(dt: kernels_gpu::DType, cols: u64) -> bool {
+    dt == kernels_gpu::DType::F32 || cols > 16384
+}
+
 /// Chooses between the register-resident instances of the row kernel `stem` (`<stem>_v<V>_<dt>`,
 /// `V` from `avail`) and its streaming one (`<stem>_stream_<dt>`) for `rows` rows of `cols`
 /// elements of `dt`: registers when the rows are whole 16-byte vectors, short enough, and the

@@ -31,12 +31,9 @@ pub struct NormGrads {
 /// Vectors per thread of the register-resident forward instances.
 const FWD_VECTORS: &[usize] = &[1, 2, 4, 8];
 
-/// The instances the forward chooses from for rows of `cols`: for f16/bf16, eight vectors only
-/// for rows over 16384, which four would hold only in blocks over 512 threads (one an SM); eight
-/// hold rows of 32768 in 512 threads, two blocks an SM (see `kernels-gpu/src/norm.rs`). Below,
-/// eight cost 4-5%: bf16 layer norm at 8192 x 8192 2781 GB/s with four, 2647 with eight.
+/// The instances the forward chooses from for rows of `cols` (see [`super::eight_vectors_fwd`]).
 fn fwd_vectors(dt: DType, cols: u64) -> &'static [usize] {
-    if dt == DType::F32 || cols > 16384 { FWD_VECTORS } else { &FWD_VECTORS[..3] }
+    if super::eight_vectors_fwd(dt, cols) { FWD_VECTORS } else { &FWD_VECTORS[..3] }
 }
 
 #[derive(Clone, Copy, PartialEq)]

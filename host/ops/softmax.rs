@@ -2,8 +2,8 @@
 //! `kernels-gpu/src/softmax.rs`), forward and backward.
 
 use super::{
-    ROW_CLUSTERS, RowPlan, check_same_device, check_same_dtype, check_same_shape, cluster_row_plan, row_plan,
-    rows_cols, with_elem,
+    ROW_CLUSTERS, RowPlan, check_same_device, check_same_dtype, check_same_shape, cluster_row_plan, eight_vectors_fwd,
+    row_plan, rows_cols, with_elem,
 };
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -12,11 +12,11 @@ use kernels_gpu::kernel::Params;
 use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxFwdArgs};
 
 /// Vectors per thread of the register-resident forward instances for rows of `cols` (see the
-/// kernel file for why f32 log-softmax's forward has no eight). For f16/bf16, eight only for
-/// rows over 16384, as the norms (`norm.rs`); `u64::MAX` gives every instance.
+/// kernel file for why f32 log-softmax's forward has no eight, and [`eight_vectors_fwd`]);
+/// `u64::MAX` gives every instance.
 fn fwd_vectors(log: bool, dt: DType, cols: u64) -> &'static [usize] {
-    let half = dt != DType::F32;
-    if (log && !half) || (half && cols <= 16384) { &[1, 2, 4] } else { &[1, 2, 4, 8] }
+    let eight = eight_vectors_fwd(dt, cols) && !(log && dt == DType::F32);
+    if eight { &[1, 2, 4, 8] } else { &[1, 2, 4] }
 }
 const BWD_VECTORS: &[usize] = &[1, 2, 4];
 
