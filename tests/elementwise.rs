@@ -406,6 +406,21 @@ fn main() -> ExitCode {
             }));
         }
     }
+    tests.push(test("scale_bias_act/row_fwd_paths", |dev: &Device| {
+        // The forward's three loops, each once in every dtype: rows of whole vectors with a
+        // grid stride of whole rows (parameters loaded once a thread: 1024 columns), rows of
+        // whole vectors whose grid cannot be made so (596 = 4 x 149 columns, a few rows), and
+        // rows that are not whole vectors (33 columns).
+        for dt in DType::ALL {
+            for (rows, cols) in [(300usize, 1024usize), (3, 596), (5, 1192), (40, 33)] {
+                for act in [Activation::Silu, Activation::Relu] {
+                    fused_case(dev, act, dt, rows, cols, (rows * cols) as u64)?;
+                }
+                row_case(dev, BinaryOp::Add, dt, rows, cols, cols as u64)?;
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("determinism/scale_bias_act_backward", determinism));
     tests.push(test("errors/arguments", argument_errors));
     tests.push(test("errors/empty_tensors", empty_tensors));

@@ -184,8 +184,9 @@ fn colsums(
         let ptr = |t: Option<&mut Tensor>| t.map_or(std::ptr::null_mut(), |t| t.dev_ptr_mut::<T>());
         let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(w), ptr(b), chunks, cols);
         // SAFETY: partial holds 2 * chunks * cols floats (the caller's buffer); the outputs cols
-        // elements each (checked by the caller), or are null.
-        unsafe { dev.launch(kernel, cfg, args) }
+        // elements each (checked by the caller), or are null. `norm_colsum` waits for the
+        // backward before its first access.
+        unsafe { dev.launch_dependent(kernel, cfg, args) }
     })
 }
 

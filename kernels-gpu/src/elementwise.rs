@@ -325,6 +325,37 @@ mod device {
         // When rows are whole vectors, a vector's columns are contiguous and its parameters are
         // two 16-byte loads (the common case: a last dimension that is a multiple of 4 or 8).
         let aligned = cols % w == 0;
+        if aligned && step == 0 {
+            // The grid's stride is a whole number of rows (the host sizes the grid so where it
+            // can): every vector this thread visits starts at column c0, so its parameters are
+            // loaded once and the loop is `grid_stride`'s, `unroll(T)` loads in flight. (The bf16
+            // fused SiLU on the H100: one vector a thread with its parameters, 1780 GB/s; two,
+            // each with its parameters loaded after the row's loads, 2010; this loop, 2930.)
+            // SAFETY: c0 + VEC <= cols (aligned); vectors and tail as `grid_stride` hands out.
+            unsafe {
+                let (s, t) = (param_vec(p0, c0, true), param_vec(p1, c0, R::USES_P1));
+                grid_stride::<T, _>(
+                    n,
+                    #[inline(always)]
+                    |o| load(x.add(o), in_place),
+                    #[inline(always)]
+                    |o, mut v| {
+                        for_lanes::<T>(
+                            #[inline(always)]
+                            |k| v[k] = R::fwd::<T>(v[k], s[k], t[k], a, b),
+                        );
+                        store(y.add(o), &v);
+                    },
+                    #[inline(always)]
+                    |i| {
+                        let c = i as u64 % cols;
+                        let (s, t) = (param(p0, c, true), param(p1, c, R::USES_P1));
+                        *y.add(i) = T::from_f32(R::fwd::<T>((*x.add(i)).to_f32(), s, t, a, b));
+                    },
+                );
+            }
+            return;
+        }
         while i < nv {
             let o = (i * w) as usize;
             // SAFETY: vector i lies inside x and y; parameters are indexed below cols.

@@ -106,6 +106,31 @@ pub fn exp_for<T: crate::Elem>(x: f32) -> f32 {
     exp(x)
 }
 
+/// The logistic function `1 / (1 + e^-x)` to the accuracy f16 and bf16 can show (relative error
+/// about 2^-21), in six instructions around MUFU.EX2 and MUFU.RCP, both with `.ftz`: the forms
+/// that keep denormals took about seven more per element (the SASS of the bf16 fused
+/// `silu(x * scale + bias)`: 296 instructions per 16 elements against 183). Neither flush
+/// changes a result:
+/// - e^-x is denormal only for x > 87.3, where 1 + e^-x rounds to 1 anyway;
+/// - the reciprocal is taken of y 2^-32 (y = 1 + e^-x >= 1, so y 2^-32 is normal and its
+///   reciprocal at least 2^-96), then scaled by 2^-32 exactly, rounding gradually into the
+///   denormals that bf16 holds (sigmoid(-88) = 6e-39 stays 6e-39).
+///
+/// 0 at x = -inf, 1 at +inf, NaN for NaN. On the CPU, `1 / (1 + exp(-x))`.
+#[inline(always)]
+pub fn sigmoid_half(x: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        const TWO_M32: f32 = f32::from_bits(0x2f80_0000); // 2^-32
+        let y = 1.0 + crate::prim::ex2_approx_ftz(-x * LOG2E);
+        crate::prim::rcp_approx_ftz(y * TWO_M32) * TWO_M32
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        1.0 / (1.0 + exp(-x))
+    }
+}
+
 /// 2^x by the special function unit, denormal results flushed to zero (`ex2.approx.ftz`, one
 /// instruction; relative error about 2^-22). On the CPU, `math::pow(2, x)` flushed likewise.
 #[inline(always)]

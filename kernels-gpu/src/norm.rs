@@ -367,6 +367,8 @@ mod device {
         rows: u64,
         cols: u64,
     ) {
+        // The column sums' kernel (`norm_colsum`) may be scheduled now: it waits for this grid.
+        launch_dependents();
         let g = Group::this();
         let sp = span::<T, C>(&g, cols);
         let nvec = sp.nvec;
@@ -652,6 +654,9 @@ mod device {
     /// chunks over lanes matters when there are a thousand of them (one per block of a
     /// persistent backward) and few columns.
     pub unsafe fn colsum<T: Elem>(partial: *const f32, dw: *mut T, db: *mut T, chunks: u64, cols: u64) {
+        // Launched as a dependent of the backward (host: `launch_dependent`): nothing it reads
+        // or writes may be touched before that kernel is complete.
+        grid_dependency_wait();
         // One launch for both sums: a small backward pays one launch less.
         let (out, partial) = if block_idx_y() == 0 {
             (dw, partial)

@@ -165,10 +165,30 @@ unary!(
 // relu(NaN) = NaN (the comparison is false); the gradient at 0 is 0, as threshold_backward.
 unary!(Relu, |x, a, b| if x <= 0.0 { 0.0 } else { x }, |x, g, a, b| if x <= 0.0 { 0.0 } else { g });
 unary!(LeakyRelu, |x, a, b| if x > 0.0 { x } else { x * a }, |x, g, a, b| if x > 0.0 { g } else { g * a });
-unary!(Sigmoid, |x, a, b| sigmoid(x), |x, g, a, b| {
-    let s = sigmoid(x);
-    g * s * (1.0 - s)
-});
+/// The logistic function: `1 / (1 + e^-x)` with the f32 exp and an IEEE division for f32
+/// storage; for f16/bf16 `fastmath::sigmoid_half` (the special function unit's 2^x and
+/// reciprocal), six instructions instead of about thirty.
+pub struct Sigmoid;
+impl UnaryFn for Sigmoid {
+    #[inline(always)]
+    fn fwd(x: f32, _: f32, _: f32) -> f32 {
+        sigmoid(x)
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, _: f32, _: f32) -> f32 {
+        let s = sigmoid(x);
+        g * s * (1.0 - s)
+    }
+    #[inline(always)]
+    fn fwd_half(x: f32, _: f32, _: f32) -> f32 {
+        math::sigmoid_half(x)
+    }
+    #[inline(always)]
+    fn bwd_half(x: f32, g: f32, _: f32, _: f32) -> f32 {
+        let s = math::sigmoid_half(x);
+        g * s * (1.0 - s)
+    }
+}
 // tanh' = 1 - t^2 = 4 e / (1 + e)^2 with e = e^-2|x|: a product of one exp and one reciprocal,
 // no cancellation for any x (the accurate tanh's range split and compensated steps, then
 // 1 - t^2, made the f32 backward compute-bound at 0.965x PyTorch). At x = +-inf, e = 0 and the
@@ -241,10 +261,28 @@ unary!(
         if x == f32::NEG_INFINITY { f32::NAN } else { d }
     }
 );
-unary!(Silu, |x, a, b| x * sigmoid(x), |x, g, a, b| {
-    let s = sigmoid(x);
-    g * s * (1.0 + x * (1.0 - s))
-});
+/// `x sigmoid(x)`; for f16/bf16 with [`Sigmoid`]'s fast form.
+pub struct Silu;
+impl UnaryFn for Silu {
+    #[inline(always)]
+    fn fwd(x: f32, _: f32, _: f32) -> f32 {
+        x * sigmoid(x)
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, _: f32, _: f32) -> f32 {
+        let s = sigmoid(x);
+        g * s * (1.0 + x * (1.0 - s))
+    }
+    #[inline(always)]
+    fn fwd_half(x: f32, _: f32, _: f32) -> f32 {
+        x * math::sigmoid_half(x)
+    }
+    #[inline(always)]
+    fn bwd_half(x: f32, g: f32, _: f32, _: f32) -> f32 {
+        let s = math::sigmoid_half(x);
+        g * s * (1.0 + x * (1.0 - s))
+    }
+}
 // Mish: x tanh(softplus(x)), with tanh(log(1 + e)) = n / (n + 2), n = e (e + 2), e = e^x: one exp
 // and a division instead of exp, log1p and tanh. From x = 20, tanh(softplus(x)) and sigmoid(x)
 // are 1 in f32 (and n would overflow from 44); the backward there is g (1 + x * 0), which keeps

@@ -236,6 +236,33 @@ pub fn cluster_count_x() -> u32 {
     r
 }
 
+/// Waits until the grids this one depends on have completed and their memory operations are
+/// visible (`griddepcontrol.wait`, sm_90). A kernel launched as a programmatic dependent launch
+/// (the host's `launch_dependent`) may start before the previous kernel on its stream ends, and
+/// must call this before it touches global memory. Without such a launch it returns at once;
+/// on targets before sm_90 it is nothing (they are never launched so).
+#[inline(always)]
+pub fn grid_dependency_wait() {
+    #[cfg(target_feature = "sm_90")]
+    // SAFETY: no preconditions; a memory clobber, so no access moves above it.
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack, preserves_flags))
+    };
+}
+
+/// Lets the kernel that follows this one on the stream, if launched as a programmatic
+/// dependent launch, be scheduled now instead of when this grid's blocks exit
+/// (`griddepcontrol.launch_dependents`, sm_90): its blocks then wait in
+/// [`grid_dependency_wait`], already resident. Nothing on older targets.
+#[inline(always)]
+pub fn launch_dependents() {
+    #[cfg(target_feature = "sm_90")]
+    // SAFETY: no preconditions; it does not order memory.
+    unsafe {
+        asm!("griddepcontrol.launch_dependents;", options(nostack, preserves_flags))
+    };
+}
+
 /// Barrier over every thread of every block of the cluster. Shared-memory writes to any block
 /// of the cluster made before it (release) are visible to every thread after it (acquire). Like
 /// [`sync_threads`], all threads of the cluster must reach it, never under a divergent branch.
@@ -504,6 +531,20 @@ pub fn ex2_approx(x: f32) -> f32 {
     // SAFETY: pure register operation.
     unsafe {
         asm!("ex2.approx.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    y
+}
+
+/// 1/x by the special function unit with denormal inputs and results flushed to zero
+/// (`rcp.approx.ftz.f32`): one MUFU.RCP, within 1 ulp, where the form without `.ftz` adds
+/// about six instructions of range checks. For callers that keep `x` and `1/x` normal.
+#[inline(always)]
+pub fn rcp_approx_ftz(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("rcp.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x,
              options(pure, nomem, nostack, preserves_flags));
     }
     y
