@@ -51,7 +51,7 @@ mod device {
     use super::*;
     use crate::dtype::{Elem, for_lanes};
     use crate::elementwise::{COL_BLOCK_X, COL_BLOCK_Y, col_block_store};
-    use crate::math::sqrt;
+    use crate::math::{fma, sqrt};
     use crate::prim::*;
     use crate::rows::*;
 
@@ -307,11 +307,26 @@ mod device {
         unsafe { (if mean.is_null() { 0.0 } else { *mean.add(row as usize) }, *rstd.add(row as usize)) }
     }
 
-    /// `gx` from the row sums `a = sum(gw)`, `b = sum(gw * xh)`.
+    /// The row's constants of `gx` from the row sums `a = sum(gw)`, `b = sum(gw * xh)`: with
+    /// `xh = (x - mean) rstd`, `gx = rstd (g w - a / n - xh b / n)` is
+    /// `rstd (g w) - k x + c0`, `k = rstd^2 b / n`, `c0 = k mean - rstd a / n` (rms: no `a`
+    /// term, mean 0). Per element that is a product and two FFMA (`grad_x`), where the form
+    /// above took six operations: the bf16 backward issued about 46 instructions an element, and
+    /// at 4096 x 32768 the SMs' issue slots were most of what it waited on (2268 -> 2381 GB/s
+    /// with the FFMA of the sums; this on top). `c0` carries the rounding of `k mean`, about
+    /// `rstd |mean| 2^-24` relative to `k`: the size of the error the mean itself already brings
+    /// to `xh`.
     #[inline(always)]
-    fn grad_x<N: Norm>(gw: f32, xh: f32, rs: f32, a: f32, b: f32, inv_n: f32) -> f32 {
-        let centre = if N::CENTER { a * inv_n } else { 0.0 };
-        rs * (gw - centre - xh * (b * inv_n))
+    fn grad_consts<N: Norm>(mu: f32, rs: f32, a: f32, b: f32, inv_n: f32) -> (f32, f32) {
+        let k = rs * rs * (b * inv_n);
+        let c0 = if N::CENTER { fma(k, mu, -(rs * (a * inv_n))) } else { 0.0 };
+        (k, c0)
+    }
+
+    /// One element of `gx` (see [`grad_consts`]).
+    #[inline(always)]
+    fn grad_x(g: f32, w: f32, x: f32, rs: f32, (k, c0): (f32, f32)) -> f32 {
+        fma(g * w, rs, fma(x, -k, c0))
     }
 
     /// The part of each row a block of the register-resident backward owns, and its rows.
@@ -421,6 +436,12 @@ mod device {
             // c + k < those columns.
             unsafe { smem.add(mine + which * region + (c + c / 32) as usize + k) }
         };
+        // The same slots as shared-window addresses, for the row loop's read-modify-writes:
+        // `ld.shared`/`st.shared` with the lane as an immediate offset. Through the generic
+        // pointer above, each was a generic LD/ST after 64-bit address arithmetic: 733 SASS
+        // instructions per row in the bf16 cluster kernel's loop, 46 an element.
+        let acc_base_addr = dyn_smem_addr() + 4 * mine as u32;
+        let acc_addr = |c: u64, which: usize| acc_base_addr + 4 * (which * region + (c + c / 32) as usize) as u32;
         if sums_on {
             for_slots::<V>(
                 #[inline(always)]
@@ -460,18 +481,20 @@ mod device {
                         if slot_present(&g, s, nvec, ok) {
                             let (vx, vg, wv) = (T::unpack(rx[s]), T::unpack(rg[s]), weights(s));
                             let c = slot_col::<T>(&g, s);
+                            let (a0, a1) = (acc_addr(c, 0), acc_addr(c, 1));
                             for_lanes::<T>(
                                 #[inline(always)]
                                 |k| {
                                     let xh = (vx[k] - mu) * rs;
                                     let gw = vg[k] * wv[k];
                                     sums[0] += gw;
-                                    sums[1] += gw * xh;
+                                    sums[1] = fma(gw, xh, sums[1]);
                                     if sums_on {
                                         // SAFETY: this thread's own columns (see `acc`).
                                         unsafe {
-                                            *acc(c, k, 0) += vg[k] * xh;
-                                            *acc(c, k, 1) += vg[k];
+                                            let (p0, p1) = (a0 + 4 * k as u32, a1 + 4 * k as u32);
+                                            st_shared_f32(p0, fma(vg[k], xh, ld_shared_f32(p0)));
+                                            st_shared_f32(p1, ld_shared_f32(p1) + vg[k]);
                                         }
                                     }
                                 },
@@ -480,6 +503,7 @@ mod device {
                     },
                 );
                 let [a, b] = red.reduce(&g, sums, [0.0; 2], add2);
+                let kc = grad_consts::<N>(mu, rs, a, b, inv_n);
                 for_slots::<V>(
                     #[inline(always)]
                     |s| {
@@ -488,10 +512,7 @@ mod device {
                             let (vx, mut vg, wv) = (T::unpack(opaque(rx[s])), T::unpack(opaque(rg[s])), weights(s));
                             for_lanes::<T>(
                                 #[inline(always)]
-                                |k| {
-                                    let xh = (vx[k] - mu) * rs;
-                                    vg[k] = grad_x::<N>(vg[k] * wv[k], xh, rs, a, b, inv_n);
-                                },
+                                |k| vg[k] = grad_x(vg[k], wv[k], vx[k], rs, kc),
                             );
                             // SAFETY: inside row `row` of gx.
                             unsafe {
@@ -589,6 +610,7 @@ mod device {
                     },
                 );
                 let [a, b] = group_reduce(&g, sums, [0.0; 2], add2);
+                let kc = grad_consts::<N>(mu, rs, a, b, inv_n);
                 fold_row(
                     sp,
                     wv,
@@ -599,16 +621,15 @@ mod device {
                     |(), c, (vx, mut vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
                         for_lanes::<T>(
                             #[inline(always)]
-                            |k| vg[k] = grad_x::<N>(vg[k] * wp[k], (vx[k] - mu) * rs, rs, a, b, inv_n),
+                            |k| vg[k] = grad_x(vg[k], wp[k], vx[k], rs, kc),
                         );
                         unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
                     },
                     #[inline(always)]
                     |(), c| unsafe {
                         let c_ = c as usize;
-                        let gw = (*gr_.add(c_)).to_f32() * param(w, c, 1.0);
-                        let xh = ((*xr.add(c_)).to_f32() - mu) * rs;
-                        *gxr.add(c_) = T::from_f32(grad_x::<N>(gw, xh, rs, a, b, inv_n));
+                        let (gv, xv) = ((*gr_.add(c_)).to_f32(), (*xr.add(c_)).to_f32());
+                        *gxr.add(c_) = T::from_f32(grad_x(gv, param(w, c, 1.0), xv, rs, kc));
                     },
                 );
             },
