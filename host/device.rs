@@ -396,6 +396,11 @@ impl Device {
         unsafe { self.launch_with(name, cfg, args, self.0.ptx_arch == "sm_90") }
     }
 
+    /// The launch behind [`Device::launch`] and [`Device::launch_dependent`] (`dependent`: with
+    /// the programmatic-serialization attribute, through `cuLaunchKernelEx`).
+    ///
+    /// # Safety
+    /// As [`Device::launch_dependent`] when `dependent`, else as [`Device::launch`].
     unsafe fn launch_with<A: KernelArgs>(&self, name: &str, cfg: LaunchConfig, args: A, dependent: bool) -> Result<()> {
         self.bind()?;
         let i = self.kernel_index(name)?;
