@@ -617,6 +617,42 @@ fn main() -> ExitCode {
             })
         }));
     }
+    tests.push(test("layer_norm/large_mean", |dev: &Device| {
+        // A mean far from zero against a unit spread: E[x^2] - mean^2 would lose every digit
+        // of the variance here (x^2 ~ 1e8, its f32 rounding ~ 4), so this checks that the
+        // variance is computed stably, in every path (registers at 1, 2, 4 and 8 vectors a
+        // thread, and streaming: 1001 and 100003 columns are not whole vectors). It tells the
+        // two apart in f32 only: f16/bf16 cannot store such a ratio (their spacing at 1e4 is
+        // 8 and 64), so there the offset is 100 and the paths are checked at a modest one.
+        let mut rng = TestRng::new(17);
+        for dt in DType::ALL {
+            for cols in [8usize, 64, 1000, 1001, 4096, 32768, 100003] {
+                let rows = 3;
+                let offset = if dt == DType::F32 { 1e4 } else { 100.0 };
+                let xs: Vec<f32> = (0..rows * cols).map(|_| round_to(dt, (offset + rng.normal()) as f32)).collect();
+                let x = tensor(dev, &xs, &[rows, cols], dt)?;
+                let (_, stats) = ops::layer_norm(&x, None, None, 1e-5).map_err(e)?;
+                let rstd = stats.rstd.to_f32_vec().map_err(e)?;
+                let mean = stats.mean.as_ref().expect("layer norm saves the mean").to_f32_vec().map_err(e)?;
+                for r in 0..rows {
+                    let xr: Vec<f64> = xs[r * cols..(r + 1) * cols].iter().map(|&v| v as f64).collect();
+                    let (_, m, rs) = norm_ref(&xr, None, None, 1e-5, true);
+                    // The mean to 1e-5 of the offset (sums of 1e4-sized values). rstd: the
+                    // two-pass variance is off by the square of the mean's error relative to
+                    // the spread, (1e-7 x 1e4 x a few tens)^2 ~ 1e-4 at worst; E[x^2] - mean^2
+                    // would be off by ~ f32 eps x 1e8 = 6 times the variance itself.
+                    let rel = (rstd[r] as f64 - rs).abs() / rs;
+                    if (mean[r] as f64 - m).abs() > 1e-5 * offset || rel > 1e-2 {
+                        return Err(format!(
+                            "{dt:?} {rows}x{cols} row {r}: mean {} rstd {} want {m} {rs} (relative {rel:e})",
+                            mean[r], rstd[r]
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("norms/many_rows_persistent", |dev: &Device| {
         // More rows than a wave of blocks: the persistent backward's loop and its partial sums.
         let rows = if sanitizer() { 300 } else { 20000 };
