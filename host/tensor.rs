@@ -4,6 +4,7 @@ use crate::DType;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// Host element types and their [`DType`]: `f32`, `half::f16`, `half::bf16`.
 pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
@@ -45,10 +46,17 @@ impl Element for bf16 {
     }
 }
 
-/// A tensor on a GPU. Owns its memory; `try_clone` copies it. Operations on one device run in
-/// issue order on its stream; reading back (`to_vec`) waits for them.
+/// A tensor on a GPU. Operations on one device run in issue order on its stream; reading back
+/// (`to_vec`) waits for them.
+///
+/// `clone` is cheap: the clones share the device memory until one of them is written, and the
+/// one written first gets its own copy (copy-on-write), so a write through one tensor is never
+/// seen through another. Backward passes use it to hand the incoming gradient on without a
+/// copy where it is the answer (the gradients of `add`, `sub`'s first operand, `add_scalar`),
+/// as PyTorch's autograd does. [`Tensor::try_clone`] copies now.
+#[derive(Clone)]
 pub struct Tensor {
-    buf: DeviceBuffer,
+    buf: Arc<DeviceBuffer>,
     shape: Vec<usize>,
     dtype: DType,
 }
@@ -79,14 +87,34 @@ impl Tensor {
             op,
             message: format!("shape {shape:?} of {dtype:?} is too large"),
         })?;
-        Ok(Tensor { buf: dev.alloc(op, bytes)?, shape: shape.to_vec(), dtype })
+        Ok(Tensor { buf: Arc::new(dev.alloc(op, bytes)?), shape: shape.to_vec(), dtype })
+    }
+
+    /// The tensor's memory, writable: a fresh tensor's own, or else (shared with a clone) a copy
+    /// made first, stream-ordered after every earlier write.
+    fn buf_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer> {
+        if Arc::get_mut(&mut self.buf).is_none() {
+            let mut own = self.device().alloc(op, self.buf.bytes())?;
+            self.buf.copy_to(&mut own)?;
+            self.buf = Arc::new(own);
+        }
+        Arc::get_mut(&mut self.buf).ok_or(Error::InvalidArgument {
+            op,
+            message: "the tensor's memory is shared while it is written (a clone on another thread?)".into(),
+        })
+    }
+
+    /// Whether `self` and `other` share device memory (one is a clone of the other, and neither
+    /// has been written since).
+    pub fn shares_memory(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.buf, &other.buf)
     }
 
     /// A tensor over `buf`, which holds exactly `shape`'s elements of `dtype` (the interop's
     /// borrowed tensors).
     pub(crate) fn from_buffer(buf: DeviceBuffer, shape: Vec<usize>, dtype: DType) -> Tensor {
         debug_assert_eq!(shape.iter().product::<usize>() * dtype.size(), buf.bytes());
-        Tensor { buf, shape, dtype }
+        Tensor { buf: Arc::new(buf), shape, dtype }
     }
 
     /// An uninitialised tensor of the same shape, dtype and device as `self`.
@@ -105,7 +133,7 @@ impl Tensor {
             });
         }
         let mut t = Self::alloc(op, dev, shape, T::DTYPE)?;
-        t.buf.copy_from_host(data)?;
+        t.buf_mut(op)?.copy_from_host(data)?;
         Ok(t)
     }
 
@@ -120,8 +148,9 @@ impl Tensor {
 
     /// All zeros (a memset; +0.0 in every dtype).
     pub fn zeros(dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let mut t = Self::alloc("Tensor::zeros", dev, shape, dtype)?;
-        t.buf.memset(0)?;
+        let op = "Tensor::zeros";
+        let mut t = Self::alloc(op, dev, shape, dtype)?;
+        t.buf_mut(op)?.memset(0)?;
         Ok(t)
     }
 
@@ -183,10 +212,11 @@ impl Tensor {
         }
     }
 
-    /// A copy in new device memory.
+    /// A copy in new device memory, made now (`clone` shares the memory instead).
     pub fn try_clone(&self) -> Result<Tensor> {
-        let mut t = self.alloc_like("Tensor::try_clone")?;
-        self.buf.copy_to(&mut t.buf)?;
+        let op = "Tensor::try_clone";
+        let mut t = self.alloc_like(op)?;
+        self.buf.copy_to(t.buf_mut(op)?)?;
         Ok(t)
     }
 
@@ -228,7 +258,8 @@ impl Tensor {
     /// Device address of the first element, for handing the tensor to another CUDA library (the
     /// GEMM bench gives it to cuBLAS). Reading or writing through it is the caller's
     /// responsibility: the tensor must outlive that use, which must be ordered on
-    /// [`Device::cu_stream`].
+    /// [`Device::cu_stream`], and a write through it is seen by every clone sharing the memory
+    /// (see [`Tensor::shares_memory`]).
     pub fn device_ptr(&self) -> u64 {
         self.buf.ptr()
     }
@@ -241,9 +272,10 @@ impl Tensor {
         self.buf.ptr()
     }
     /// Device address of the first element, for a parameter the kernel writes. Taking `&mut self`
-    /// makes the borrow checker see the write.
-    pub(crate) fn dev_ptr_mut<T>(&mut self) -> *mut T {
-        self.buf.ptr() as *mut T
+    /// makes the borrow checker see the write, and the memory is this tensor's alone (copied
+    /// first if a clone shared it), so the address aliases no other tensor's.
+    pub(crate) fn dev_ptr_mut<T>(&mut self) -> Result<*mut T> {
+        Ok(self.buf_mut("Tensor write")?.ptr() as *mut T)
     }
 }
 
@@ -319,7 +351,9 @@ impl IndexTensor {
     pub(crate) fn dev_ptr(&self) -> *const i64 {
         self.buf.ptr() as *const i64
     }
-    pub(crate) fn dev_ptr_mut(&mut self) -> *mut i64 {
-        self.buf.ptr() as *mut i64
+    /// As [`Tensor::dev_ptr_mut`]; indices are never shared, so this cannot fail (a `Result`
+    /// all the same, so that both kinds of tensor are written the same way).
+    pub(crate) fn dev_ptr_mut(&mut self) -> Result<*mut i64> {
+        Ok(self.buf.ptr() as *mut i64)
     }
 }

@@ -377,6 +377,64 @@ fn empty_tensors(dev: &Device) -> Result<(), String> {
     Ok(())
 }
 
+/// Gradients equal to the incoming one are that tensor, sharing its memory (as PyTorch's
+/// autograd passes it on), and a write through either tensor copies first: the other keeps its
+/// values (copy-on-write), whether the write is in place, into an `out` tensor or a fill.
+fn shared_gradients(dev: &Device) -> Result<(), String> {
+    let bits = |t: &Tensor| -> Result<Vec<u32>, String> {
+        Ok(t.to_f32_vec().map_err(e)?.iter().map(|f| f.to_bits()).collect())
+    };
+    let scaled = |v: &[f32], k: f32| -> Vec<u32> { v.iter().map(|f| (f * k).to_bits()).collect() };
+    for dt in DType::ALL {
+        let n = 4097;
+        let x = Tensor::rand_normal(dev, &[n], dt, 0.0, 1.0, 11).map_err(e)?;
+        let y = Tensor::rand_normal(dev, &[n], dt, 0.0, 1.0, 12).map_err(e)?;
+        let g = Tensor::rand_normal(dev, &[n], dt, 0.0, 1.0, 13).map_err(e)?;
+        let (gv, g_bits) = (g.to_f32_vec().map_err(e)?, bits(&g)?);
+        let unchanged = |what: &str| -> Result<(), String> {
+            if bits(&g)? != g_bits { Err(format!("{dt:?}: {what} changed the incoming gradient")) } else { Ok(()) }
+        };
+
+        let (ga, gb) = ops::binary_backward(&x, &y, &g, BinaryOp::Add).map_err(e)?;
+        let (mut sa, sb) = ops::binary_backward(&x, &y, &g, BinaryOp::Sub).map_err(e)?;
+        let mut pa = ops::unary_backward(&x, &g, UnaryOp::AddScalar(1.5)).map_err(e)?;
+        if !(ga.shares_memory(&g) && gb.shares_memory(&g) && sa.shares_memory(&g) && pa.shares_memory(&g)) {
+            return Err(format!("{dt:?}: add / sub / add_scalar gradients do not share the incoming one"));
+        }
+        if sb.shares_memory(&g) || bits(&sb)? != scaled(&gv, -1.0) {
+            return Err(format!("{dt:?}: sub's grad_b is not a new tensor holding -grad"));
+        }
+        // In place on a shared gradient.
+        ops::unary_(&mut sa, UnaryOp::MulScalar(2.0)).map_err(e)?;
+        unchanged("unary_ on sub's grad_a")?;
+        if sa.shares_memory(&g) || bits(&sa)? != scaled(&gv, 2.0) {
+            return Err(format!("{dt:?}: an in-place op on a shared gradient did not get its own copy"));
+        }
+        // Into a shared `out`, and a fill.
+        ops::unary_out(&x, UnaryOp::Neg, &mut pa).map_err(e)?;
+        unchanged("unary_out into add_scalar's gradient")?;
+        if bits(&pa)? != scaled(&x.to_f32_vec().map_err(e)?, -1.0) {
+            return Err(format!("{dt:?}: unary_out into a shared tensor wrote the wrong values"));
+        }
+        let mut h = ga.clone();
+        h.fill_(3.0).map_err(e)?;
+        unchanged("fill_ of a clone")?;
+        if h.to_f32_vec().map_err(e)? != vec![3.0; n] || bits(&gb)? != g_bits {
+            return Err(format!("{dt:?}: fill_ of a clone"));
+        }
+        // A write to the original leaves its clones.
+        let mut g2 = g.clone();
+        ops::unary_(&mut g2, UnaryOp::Neg).map_err(e)?;
+        if bits(&ga)? != g_bits || bits(&g2)? != scaled(&gv, -1.0) {
+            return Err(format!("{dt:?}: writing the original changed its clones"));
+        }
+        if g.try_clone().map_err(e)?.shares_memory(&g) {
+            return Err("try_clone shares memory".into());
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut tests = Vec::new();
     for dt in DType::ALL {
@@ -424,5 +482,6 @@ fn main() -> ExitCode {
     tests.push(test("determinism/scale_bias_act_backward", determinism));
     tests.push(test("errors/arguments", argument_errors));
     tests.push(test("errors/empty_tensors", empty_tensors));
+    tests.push(test("backward/shared_gradients", shared_gradients));
     run(tests)
 }

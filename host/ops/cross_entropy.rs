@@ -172,15 +172,15 @@ pub fn cross_entropy_out(
     let mut bad = IndexTensor::zeros(dev, &[1])?;
     let kernel = kernels_gpu::kernel_name!("cross_entropy_fwd", dt);
     if let Some(cfg) = plan(dev, kernel, dt, rows, cols)? {
-        let loss_out = if opts.reduction == Reduction::None { out.dev_ptr_mut::<u8>() } else { std::ptr::null_mut() };
+        let loss_out = if opts.reduction == Reduction::None { out.dev_ptr_mut::<u8>()? } else { std::ptr::null_mut() };
         with_elem!(dt, |T| {
             let args: CrossEntropyFwdArgs<T> = (
                 logits.dev_ptr(),
                 target.dev_ptr(),
-                loss_f32.dev_ptr_mut(),
+                loss_f32.dev_ptr_mut()?,
                 loss_out as *mut T,
-                lse.dev_ptr_mut(),
-                bad.dev_ptr_mut() as *mut u64,
+                lse.dev_ptr_mut()?,
+                bad.dev_ptr_mut()? as *mut u64,
                 rows,
                 cols,
                 opts.ignore_index,
@@ -202,16 +202,16 @@ pub fn cross_entropy_out(
     let mut scratch;
     let red_out: *mut u8 = if opts.reduction == Reduction::None {
         scratch = Tensor::alloc(op, dev, &[], dt)?;
-        scratch.dev_ptr_mut()
+        scratch.dev_ptr_mut()?
     } else {
-        out.dev_ptr_mut()
+        out.dev_ptr_mut()?
     };
     with_elem!(dt, |T| {
         let args: CrossEntropyReduceArgs<T> = (
             loss_f32.dev_ptr(),
             target.dev_ptr(),
             red_out as *mut T,
-            count.dev_ptr_mut(),
+            count.dev_ptr_mut()?,
             rows,
             opts.ignore_index,
             mode,
@@ -278,7 +278,7 @@ pub fn cross_entropy_backward_out(
             saved.lse.dev_ptr(),
             grad.dev_ptr(),
             saved.count.dev_ptr(),
-            gx.dev_ptr_mut(),
+            gx.dev_ptr_mut()?,
             rows,
             cols,
             opts.ignore_index,

@@ -2,7 +2,9 @@
 //! activations, binary ops, ops against a row broadcast along the last dimension, and the fused
 //! `act(x * scale + bias)`; each forward and backward, out-of-place, in place and into `out`.
 
-use super::{check_same_device, check_same_dtype, check_same_shape, row_matches, with_elem};
+use super::{
+    ReduceOp, check_same_device, check_same_dtype, check_same_shape, reduce_leading_dims, row_matches, with_elem,
+};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
@@ -107,6 +109,11 @@ impl From<Activation> for UnaryOp {
 }
 
 impl UnaryOp {
+    /// Whether the derivative is 1 everywhere, so that the gradient is the incoming one.
+    pub fn passes_gradient(self) -> bool {
+        matches!(self, UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::Act(Activation::Identity))
+    }
+
     /// The kernel-side op and its two scalar parameters.
     pub fn kernel(self) -> (Unary, f32, f32) {
         match self {
@@ -198,7 +205,7 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
-        let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut(), n, a, b);
+        let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
         // SAFETY: x and out hold n elements of T on this device (checked above).
         unsafe { x.device().launch(kernel, cfg, args) }
     })
@@ -213,7 +220,7 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
-        let p = x.dev_ptr_mut::<T>();
+        let p = x.dev_ptr_mut::<T>()?;
         let args: UnaryFwdArgs<T> = (p as *const T, p, n, a, b);
         // SAFETY: x holds n elements; each is read before it is written, by the same thread.
         unsafe { x.device().launch(kernel, cfg, args) }
@@ -221,27 +228,41 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
 }
 
 /// Gradient of `op` at `x`: `op'(x) * grad` (the exact derivative, not an approximation).
+///
+/// Where the derivative is 1 everywhere (`AddScalar`, `SubScalar`, the identity activation) the
+/// gradient is `grad` itself: a clone sharing its memory (copy-on-write, see [`Tensor`]), no
+/// kernel, as PyTorch's autograd passes it on.
 pub fn unary_backward(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
+    let op = op.into();
+    if op.passes_gradient() {
+        check_unary_backward("unary_backward", x, grad, op)?;
+        return Ok(grad.clone());
+    }
     let mut gx = x.alloc_like("unary_backward")?;
     unary_backward_out(x, grad, op, &mut gx)?;
     Ok(gx)
 }
 
-/// [`unary_backward`] into `gx` (the input's shape and dtype).
-pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx: &mut Tensor) -> Result<()> {
-    let op = op.into();
-    let name = "unary_backward";
+fn check_unary_backward(name: &'static str, x: &Tensor, grad: &Tensor, op: UnaryOp) -> Result<()> {
     op.validate(name)?;
     check_same_device(name, x, grad)?;
     check_same_dtype(name, x, grad)?;
-    check_same_shape(name, x, grad, "grad must have the input's shape")?;
+    check_same_shape(name, x, grad, "grad must have the input's shape")
+}
+
+/// [`unary_backward`] into `gx` (the input's shape and dtype). Always a kernel: `gx` is written
+/// even where the gradient is `grad` itself.
+pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx: &mut Tensor) -> Result<()> {
+    let op = op.into();
+    let name = "unary_backward";
+    check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
     let kernel = k.bwd(x.dtype());
     let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
-        let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), n, a, b);
+        let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
         // SAFETY: all three hold n elements of T on this device; gx is borrowed mutably, so it
         // aliases neither input.
         unsafe { x.device().launch(kernel, cfg, args) }
@@ -269,13 +290,13 @@ pub fn binary_out(a: &Tensor, b: &Tensor, op: BinaryOp, out: &mut Tensor) -> Res
     let name = "binary_out";
     check_binary(name, a, b)?;
     check_binary(name, a, out)?;
-    launch_binary(a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>() as u64, op)
+    launch_binary(a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>()? as u64, op)
 }
 
 /// `a = a op b`.
 pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
     check_binary("binary_", a, b)?;
-    let p = a.dev_ptr_mut::<u8>() as u64;
+    let p = a.dev_ptr_mut::<u8>()? as u64;
     launch_binary(p, b, p, op)
 }
 
@@ -291,17 +312,26 @@ fn launch_binary(a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
 }
 
 /// Gradients of `a op b` given the output gradient: `(grad_a, grad_b)`.
+///
+/// As in PyTorch's autograd, a gradient that equals `grad` is `grad` itself, a clone sharing its
+/// memory (copy-on-write, see [`Tensor`]): both of `add`'s and `sub`'s `grad_a`; `sub`'s
+/// `grad_b` is one `neg` kernel. `mul` and `div` run one kernel for both.
 pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> Result<(Tensor, Tensor)> {
     let name = "binary_backward";
     check_binary(name, a, b)?;
     check_binary(name, a, grad)?;
+    match op {
+        BinaryOp::Add => return Ok((grad.clone(), grad.clone())),
+        BinaryOp::Sub => return Ok((grad.clone(), unary(grad, UnaryOp::Neg)?)),
+        BinaryOp::Mul | BinaryOp::Div => {}
+    }
     let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
     let kernel = op.kernel().bwd(a.dtype());
     if let Some(cfg) = grid_1d(a, kernel, true)? {
         let n = a.numel() as u64;
         with_elem!(a.dtype(), |T| {
             let args: BinaryBwdArgs<T> =
-                (a.dev_ptr(), b.dev_ptr(), grad.dev_ptr(), ga.dev_ptr_mut(), gb.dev_ptr_mut(), n);
+                (a.dev_ptr(), b.dev_ptr(), grad.dev_ptr(), ga.dev_ptr_mut()?, gb.dev_ptr_mut()?, n);
             // SAFETY: all five hold n elements of T on this device.
             unsafe { a.device().launch(kernel, cfg, args) }
         })?;
@@ -322,7 +352,7 @@ fn check_row(name: &'static str, x: &Tensor, row: &Tensor, what: &'static str) -
 pub fn binary_row(x: &Tensor, row: &Tensor, op: BinaryOp) -> Result<Tensor> {
     check_row("binary_row", x, row, "the row must match the last dimension")?;
     let mut out = x.alloc_like("binary_row")?;
-    let p = out.dev_ptr_mut::<u8>() as u64;
+    let p = out.dev_ptr_mut::<u8>()? as u64;
     launch_row_fwd(x, x.dev_ptr_u64(), row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)?;
     Ok(out)
 }
@@ -330,16 +360,25 @@ pub fn binary_row(x: &Tensor, row: &Tensor, op: BinaryOp) -> Result<Tensor> {
 /// `x = x op row`, in place.
 pub fn binary_row_(x: &mut Tensor, row: &Tensor, op: BinaryOp) -> Result<()> {
     check_row("binary_row_", x, row, "the row must match the last dimension")?;
-    let p = x.dev_ptr_mut::<u8>() as u64;
+    let p = x.dev_ptr_mut::<u8>()? as u64;
     launch_row_fwd(x, p, row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)
 }
 
 /// Gradients of `x op row`: `(grad_x, grad_row)`, `grad_row` summed over all rows
-/// (deterministically: the same inputs give the same bits).
+/// (deterministically: the same inputs give the same bits). For `add` and `sub`, `grad_x` is
+/// `grad` itself (a clone sharing its memory, see [`Tensor`]) and `grad_row` one column sum.
 pub fn binary_row_backward(x: &Tensor, row: &Tensor, grad: &Tensor, op: BinaryOp) -> Result<(Tensor, Tensor)> {
     let name = "binary_row_backward";
     check_row(name, x, row, "the row must match the last dimension")?;
     check_binary(name, x, grad)?;
+    // add and sub: grad_x is grad itself (shared, as in PyTorch), grad_row its column sums.
+    if !x.shape().is_empty() && matches!(op, BinaryOp::Add | BinaryOp::Sub) {
+        let mut grow = reduce_leading_dims(grad, ReduceOp::Sum)?;
+        if op == BinaryOp::Sub {
+            unary_(&mut grow, UnaryOp::Neg)?;
+        }
+        return Ok((grad.clone(), grow));
+    }
     let (gx, mut grads) = launch_row_bwd(name, x, row, None, grad, op.kernel().row_bwd(x.dtype()), 1, 0.0, 0.0)?;
     Ok((gx, grads.remove(0)))
 }
@@ -349,7 +388,7 @@ pub fn binary_row_backward(x: &Tensor, row: &Tensor, grad: &Tensor, op: BinaryOp
 pub fn scale_bias_act(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
     let name = "scale_bias_act";
     let mut out = x.alloc_like(name)?;
-    let p = out.dev_ptr_mut::<u8>() as u64;
+    let p = out.dev_ptr_mut::<u8>()? as u64;
     scale_bias_act_impl(name, x, x.dev_ptr_u64(), scale, bias, act, p)?;
     Ok(out)
 }
@@ -358,13 +397,13 @@ pub fn scale_bias_act(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation
 pub fn scale_bias_act_out(x: &Tensor, scale: &Tensor, bias: &Tensor, act: Activation, out: &mut Tensor) -> Result<()> {
     let name = "scale_bias_act_out";
     check_binary(name, x, out)?;
-    let p = out.dev_ptr_mut::<u8>() as u64;
+    let p = out.dev_ptr_mut::<u8>()? as u64;
     scale_bias_act_impl(name, x, x.dev_ptr_u64(), scale, bias, act, p)
 }
 
 /// `x = act(x * scale + bias)`, in place.
 pub fn scale_bias_act_(x: &mut Tensor, scale: &Tensor, bias: &Tensor, act: Activation) -> Result<()> {
-    let p = x.dev_ptr_mut::<u8>() as u64;
+    let p = x.dev_ptr_mut::<u8>()? as u64;
     scale_bias_act_impl("scale_bias_act_", x, p, scale, bias, act, p)
 }
 
@@ -536,8 +575,8 @@ fn launch_row_bwd_into(
             p0.dev_ptr(),
             p1 as *const T,
             grad.dev_ptr(),
-            gx.dev_ptr_mut(),
-            partial.dev_ptr_mut(),
+            gx.dev_ptr_mut()?,
+            partial.dev_ptr_mut()?,
             rows,
             cols,
             a,
@@ -552,7 +591,7 @@ fn launch_row_bwd_into(
     for (k, g) in grads.iter_mut().enumerate() {
         let part = partial.dev_ptr_u64() + (k as u64 * chunks as u64 * cols * 4);
         with_elem!(x.dtype(), |T| {
-            let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut(), chunks as u64, cols);
+            let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut()?, chunks as u64, cols);
             // SAFETY: `part` is the k-th [chunks, cols] block of partial; g holds cols elements.
             unsafe { dev.launch(finish, fcfg, args) }
         })?;

@@ -337,7 +337,7 @@ pub(crate) fn gemm_dims(
     };
     let args: SplitKReduceArgs = (
         ws.dev_ptr(),
-        c.dev_ptr_mut(),
+        c.dev_ptr_mut()?,
         bias_ptr as *const f32,
         m as u32,
         n as u32,

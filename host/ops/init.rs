@@ -26,7 +26,7 @@ pub(crate) fn fill(t: &mut Tensor, value: f32) -> Result<()> {
     let Some(cfg) = config(t, kernel)? else { return Ok(()) };
     let n = t.numel() as u64;
     with_elem!(t.dtype(), |T| {
-        let args: FillArgs<T> = (t.dev_ptr_mut(), n, value);
+        let args: FillArgs<T> = (t.dev_ptr_mut()?, n, value);
         // SAFETY: t holds n elements of T.
         unsafe { t.device().launch(kernel, cfg, args) }
     })
@@ -40,7 +40,7 @@ pub(crate) fn random(t: &mut Tensor, dist: Distribution, seed: u64, p: f32, q: f
     let Some(cfg) = config(t, kernel)? else { return Ok(()) };
     let n = t.numel() as u64;
     with_elem!(t.dtype(), |T| {
-        let args: RandomArgs<T> = (t.dev_ptr_mut(), n, seed as u32, (seed >> 32) as u32, p, q);
+        let args: RandomArgs<T> = (t.dev_ptr_mut()?, n, seed as u32, (seed >> 32) as u32, p, q);
         // SAFETY: t holds n elements of T.
         unsafe { t.device().launch(kernel, cfg, args) }
     })

@@ -21,7 +21,7 @@ pub fn math_probe(x: &Tensor, f: MathFn) -> Result<Tensor> {
     let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
         return Ok(y);
     };
-    let args: MathProbeArgs = (x.dev_ptr(), y.dev_ptr_mut(), n, f as u32);
+    let args: MathProbeArgs = (x.dev_ptr(), y.dev_ptr_mut()?, n, f as u32);
     // SAFETY: x and y hold n f32 values.
     unsafe { dev.launch(kernel, cfg, args) }?;
     Ok(y)

@@ -127,15 +127,15 @@ fn forward_out(
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
     if let Some(p) = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), true)? {
-        let mean_p = mean.as_mut().map_or(std::ptr::null_mut(), |m| m.dev_ptr_mut());
+        let mean_p = mean.as_mut().map(|m| m.dev_ptr_mut()).transpose()?.unwrap_or(std::ptr::null_mut());
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
                 x.dev_ptr(),
                 ptr_or_null(weight),
                 ptr_or_null(bias),
-                y.dev_ptr_mut(),
+                y.dev_ptr_mut()?,
                 mean_p,
-                rstd.dev_ptr_mut(),
+                rstd.dev_ptr_mut()?,
                 rows,
                 cols,
                 eps,
@@ -181,8 +181,10 @@ fn colsums(
     };
     let kernel = kernels_gpu::kernel_name!("norm_colsum", x.dtype());
     with_elem!(x.dtype(), |T| {
-        let ptr = |t: Option<&mut Tensor>| t.map_or(std::ptr::null_mut(), |t| t.dev_ptr_mut::<T>());
-        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(w), ptr(b), chunks, cols);
+        let ptr = |t: Option<&mut Tensor>| {
+            Ok::<_, Error>(t.map(|t| t.dev_ptr_mut::<T>()).transpose()?.unwrap_or(std::ptr::null_mut()))
+        };
+        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(w)?, ptr(b)?, chunks, cols);
         // SAFETY: partial holds 2 * chunks * cols floats (the caller's buffer); the outputs cols
         // elements each (checked by the caller), or are null. `norm_colsum` waits for the
         // backward before its first access.
@@ -252,7 +254,7 @@ fn backward_out(
         }
         _ => None,
     };
-    let part_p = partial.as_mut().map_or(std::ptr::null_mut(), |(t, _)| t.dev_ptr_mut::<f32>());
+    let part_p = partial.as_mut().map(|(t, _)| t.dev_ptr_mut::<f32>()).transpose()?.unwrap_or(std::ptr::null_mut());
     with_elem!(dt, |T| {
         let args: NormBwdArgs<T> = (
             x.dev_ptr(),
@@ -260,7 +262,7 @@ fn backward_out(
             grad.dev_ptr(),
             mean_p,
             stats.rstd.dev_ptr(),
-            gx.dev_ptr_mut(),
+            gx.dev_ptr_mut()?,
             part_p,
             rows,
             cols,
@@ -279,7 +281,7 @@ fn backward_out(
         let kernel = format!("{}_colgrad_{}", kind.stem(), dt.suffix());
         with_elem!(dt, |T| {
             let args: NormColGradArgs<T> =
-                (x.dev_ptr(), grad.dev_ptr(), mean_p, stats.rstd.dev_ptr(), t.dev_ptr_mut(), rows, cols);
+                (x.dev_ptr(), grad.dev_ptr(), mean_p, stats.rstd.dev_ptr(), t.dev_ptr_mut()?, rows, cols);
             // SAFETY: as above; partial holds 2 * chunks * cols floats for grid.y = chunks.
             unsafe { dev.launch(&kernel, ccfg, args) }
         })?;

@@ -133,10 +133,10 @@ pub fn adamw_step(
     };
     with_elem!(dt, |T| {
         let args: AdamWArgs<T> = (
-            param.dev_ptr_mut(),
+            param.dev_ptr_mut()?,
             grad.dev_ptr(),
-            m.dev_ptr_mut(),
-            v.dev_ptr_mut(),
+            m.dev_ptr_mut()?,
+            v.dev_ptr_mut()?,
             n,
             s.lr_wd,
             s.beta1,

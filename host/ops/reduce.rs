@@ -268,7 +268,7 @@ fn launch_whole(name: &'static str, x: &Tensor, op: ReduceOp, out: u64) -> Resul
         Some(_) => Some(Tensor::alloc(name, dev, &[plan.parts as usize], DType::F32)?),
         None => None,
     };
-    let pp = partial.as_mut().map_or(0, |p| p.dev_ptr_mut::<f32>() as u64);
+    let pp = partial.as_mut().map(|p| p.dev_ptr_mut::<f32>()).transpose()?.map_or(0, |p| p as u64);
     let s = scale(op, n);
     with_elem!(dt, |T| {
         let args: ReducePartArgs<T> = (x.dev_ptr(), n, pp as *mut f32, out as *mut T, s);
@@ -300,7 +300,10 @@ fn launch_argmax_whole(name: &'static str, x: &Tensor, out: u64) -> Result<()> {
         )),
         None => None,
     };
-    let (pv, pi) = parts.as_mut().map_or((0, 0), |(v, i)| (v.dev_ptr_mut::<f32>() as u64, i.dev_ptr_mut() as u64));
+    let (pv, pi) = match parts.as_mut() {
+        Some((v, i)) => (v.dev_ptr_mut::<f32>()? as u64, i.dev_ptr_mut()? as u64),
+        None => (0, 0),
+    };
     with_elem!(dt, |T| {
         let args: ArgmaxPartArgs<T> = (x.dev_ptr(), n, pv as *mut f32, pi as *mut u64, out as *mut i64);
         // SAFETY: x holds n elements of T; out one index; the partial arrays (when the grid has
@@ -340,7 +343,7 @@ pub fn reduce(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         return of_nothing(name, x, op, &[]);
     }
     let mut out = Tensor::alloc(name, x.device(), &[], x.dtype())?;
-    launch_whole(name, x, op, out.dev_ptr_mut::<u8>() as u64)?;
+    launch_whole(name, x, op, out.dev_ptr_mut::<u8>()? as u64)?;
     Ok(out)
 }
 
@@ -352,7 +355,7 @@ pub fn argmax(x: &Tensor) -> Result<IndexTensor> {
         return Err(empty_error(name, "argmax", x.shape()));
     }
     let mut out = IndexTensor::alloc(name, x.device(), &[])?;
-    launch_argmax_whole(name, x, out.dev_ptr_mut() as u64)?;
+    launch_argmax_whole(name, x, out.dev_ptr_mut()? as u64)?;
     Ok(out)
 }
 
@@ -374,7 +377,7 @@ pub fn reduce_last_dim(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         return of_nothing(name, x, op, &shape);
     }
     let mut out = Tensor::alloc(name, dev, &shape, dt)?;
-    let op_ptr = out.dev_ptr_mut::<u8>() as u64;
+    let op_ptr = out.dev_ptr_mut::<u8>()? as u64;
     match rows {
         0 => {}
         // One row is the whole tensor: its reduction spreads the row over every SM.
@@ -404,7 +407,7 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
         return Err(empty_error(name, "argmax", x.shape()));
     }
     let mut out = IndexTensor::alloc(name, dev, &shape)?;
-    let op_ptr = out.dev_ptr_mut() as u64;
+    let op_ptr = out.dev_ptr_mut()? as u64;
     match rows {
         0 => {}
         1 => launch_argmax_whole(name, x, op_ptr)?,
@@ -471,7 +474,7 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
         // The sum of nothing is 0, the mean NaN (as `of_nothing`).
         return out.fill_(if op == ReduceOp::Sum { 0.0 } else { f32::NAN });
     }
-    let op_ptr = out.dev_ptr_mut::<u8>() as u64;
+    let op_ptr = out.dev_ptr_mut::<u8>()? as u64;
     // One column is the whole tensor: its reduction spreads over every SM.
     if cols == 1 {
         return launch_whole(name, x, op, op_ptr);
@@ -486,7 +489,7 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
         1 => None,
         c => Some(Tensor::alloc(name, dev, &[c as usize, cols as usize], DType::F32)?),
     };
-    let pp = partial.as_mut().map_or(0, |p| p.dev_ptr_mut::<f32>() as u64);
+    let pp = partial.as_mut().map(|p| p.dev_ptr_mut::<f32>()).transpose()?.map_or(0, |p| p as u64);
     let s = scale(op, rows);
     with_elem!(dt, |T| {
         let args: ReduceColsArgs<T> = (x.dev_ptr(), pp as *mut f32, op_ptr as *mut T, rows, cols, s);

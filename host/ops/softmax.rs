@@ -40,7 +40,7 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
         return Ok(());
     };
     with_elem!(dt, |T| {
-        let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut(), rows, cols);
+        let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut()?, rows, cols);
         // SAFETY: x and y hold rows * cols elements of T on this device (checked above); the
         // plan picked a register-resident kernel only for whole-vector rows.
         unsafe { x.device().launch(&p.kernel, p.cfg, args) }
@@ -63,7 +63,7 @@ fn backward_out(op: &'static str, y: &Tensor, grad: &Tensor, log: bool, gx: &mut
     let (rows, cols) = rows_cols(op, y)?;
     let Some(p) = backward_plan(y.device(), log, y.dtype(), rows, cols)? else { return Ok(()) };
     with_elem!(y.dtype(), |T| {
-        let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut(), rows, cols);
+        let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, rows, cols);
         // SAFETY: all three hold rows * cols elements of T; gx is borrowed mutably, so it
         // aliases neither input.
         unsafe { y.device().launch(&p.kernel, p.cfg, args) }

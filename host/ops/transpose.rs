@@ -55,7 +55,7 @@ fn launch(x: &Tensor, out: &mut Tensor, (batch, rows, cols): (u64, u64, u64)) ->
     let Some(cfg) = geometry(dt, batch, rows, cols) else { return Ok(()) };
     let kernel = transpose_kernel(dt);
     with_elem!(dt, |T| {
-        let args: TransposeArgs<T> = (x.dev_ptr(), out.dev_ptr_mut(), batch, rows, cols);
+        let args: TransposeArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, batch, rows, cols);
         // SAFETY: x and out hold batch * rows * cols elements of T on this device (the callers
         // checked shapes, dtypes and devices), each a whole allocation, so 16-byte aligned; out
         // is borrowed mutably while x is borrowed, so they do not overlap; the geometry is the
