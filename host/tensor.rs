@@ -98,9 +98,11 @@ impl Tensor {
             self.buf.copy_to(&mut own)?;
             self.buf = Arc::new(own);
         }
+        // Unique now: no clone shared it, or the copy is a fresh `Arc` that `&mut self` keeps to
+        // itself. The error is unreachable, and no reason to panic.
         Arc::get_mut(&mut self.buf).ok_or(Error::InvalidArgument {
             op,
-            message: "the tensor's memory is shared while it is written (a clone on another thread?)".into(),
+            message: "internal: the tensor's memory is still shared after its copy".into(),
         })
     }
 
