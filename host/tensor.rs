@@ -353,9 +353,7 @@ impl IndexTensor {
     pub(crate) fn dev_ptr(&self) -> *const i64 {
         self.buf.ptr() as *const i64
     }
-    /// As [`Tensor::dev_ptr_mut`]; indices are never shared, so this cannot fail (a `Result`
-    /// all the same, so that both kinds of tensor are written the same way).
-    pub(crate) fn dev_ptr_mut(&mut self) -> Result<*mut i64> {
-        Ok(self.buf.ptr() as *mut i64)
+    pub(crate) fn dev_ptr_mut(&mut self) -> *mut i64 {
+        self.buf.ptr() as *mut i64
     }
 }

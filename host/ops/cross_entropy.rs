@@ -180,7 +180,7 @@ pub fn cross_entropy_out(
                 loss_f32.dev_ptr_mut()?,
                 loss_out as *mut T,
                 lse.dev_ptr_mut()?,
-                bad.dev_ptr_mut()? as *mut u64,
+                bad.dev_ptr_mut() as *mut u64,
                 rows,
                 cols,
                 opts.ignore_index,

@@ -85,6 +85,14 @@ fn ptr_or_null<T>(t: Option<&Tensor>) -> *const T {
     t.map_or(std::ptr::null(), |t| t.dev_ptr())
 }
 
+/// The written counterpart of [`ptr_or_null`] (a shared tensor is copied first, so it can fail).
+fn ptr_mut_or_null<T>(t: Option<&mut Tensor>) -> Result<*mut T> {
+    Ok(match t {
+        Some(t) => t.dev_ptr_mut()?,
+        None => std::ptr::null_mut(),
+    })
+}
+
 fn forward(
     op: &'static str,
     kind: Kind,
@@ -127,7 +135,7 @@ fn forward_out(
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
     if let Some(p) = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), true)? {
-        let mean_p = mean.as_mut().map(|m| m.dev_ptr_mut()).transpose()?.unwrap_or(std::ptr::null_mut());
+        let mean_p = ptr_mut_or_null(mean.as_mut())?;
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
                 x.dev_ptr(),
@@ -181,10 +189,7 @@ fn colsums(
     };
     let kernel = kernels_gpu::kernel_name!("norm_colsum", x.dtype());
     with_elem!(x.dtype(), |T| {
-        let ptr = |t: Option<&mut Tensor>| {
-            Ok::<_, Error>(t.map(|t| t.dev_ptr_mut::<T>()).transpose()?.unwrap_or(std::ptr::null_mut()))
-        };
-        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr(w)?, ptr(b)?, chunks, cols);
+        let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr_mut_or_null(w)?, ptr_mut_or_null(b)?, chunks, cols);
         // SAFETY: partial holds 2 * chunks * cols floats (the caller's buffer); the outputs cols
         // elements each (checked by the caller), or are null. `norm_colsum` waits for the
         // backward before its first access.
@@ -254,7 +259,7 @@ fn backward_out(
         }
         _ => None,
     };
-    let part_p = partial.as_mut().map(|(t, _)| t.dev_ptr_mut::<f32>()).transpose()?.unwrap_or(std::ptr::null_mut());
+    let part_p = ptr_mut_or_null(partial.as_mut().map(|(t, _)| t))?;
     with_elem!(dt, |T| {
         let args: NormBwdArgs<T> = (
             x.dev_ptr(),

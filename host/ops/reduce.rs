@@ -301,7 +301,7 @@ fn launch_argmax_whole(name: &'static str, x: &Tensor, out: u64) -> Result<()> {
         None => None,
     };
     let (pv, pi) = match parts.as_mut() {
-        Some((v, i)) => (v.dev_ptr_mut::<f32>()? as u64, i.dev_ptr_mut()? as u64),
+        Some((v, i)) => (v.dev_ptr_mut::<f32>()? as u64, i.dev_ptr_mut() as u64),
         None => (0, 0),
     };
     with_elem!(dt, |T| {
@@ -355,7 +355,7 @@ pub fn argmax(x: &Tensor) -> Result<IndexTensor> {
         return Err(empty_error(name, "argmax", x.shape()));
     }
     let mut out = IndexTensor::alloc(name, x.device(), &[])?;
-    launch_argmax_whole(name, x, out.dev_ptr_mut()? as u64)?;
+    launch_argmax_whole(name, x, out.dev_ptr_mut() as u64)?;
     Ok(out)
 }
 
@@ -407,7 +407,7 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
         return Err(empty_error(name, "argmax", x.shape()));
     }
     let mut out = IndexTensor::alloc(name, dev, &shape)?;
-    let op_ptr = out.dev_ptr_mut()? as u64;
+    let op_ptr = out.dev_ptr_mut() as u64;
     match rows {
         0 => {}
         1 => launch_argmax_whole(name, x, op_ptr)?,
