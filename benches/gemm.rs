@@ -3,7 +3,9 @@
 //! 128x8192x8192 and 4096x4096x16384), the transposed layouts a linear layer uses, and the fused
 //! `relu(x @ W^T + b)` at 8192x4096 by 4096x4096 against cuBLAS's plain product (PyTorch's eager
 //! `relu(F.linear(x, W, b))`, cuBLAS plus one kernel, is timed by `benches/torch_gemm.py` and the
-//! suite's anchors in the same run).
+//! suite's anchors in the same run). The `3xtf32` cases run the same shapes with
+//! `Precision::Tf32x3` (still against cuBLAS's FP32 product), and `accuracy` prints the relative
+//! error of both precisions, cuBLAS FP32 and cuBLAS TF32 against an f64 product on the same data.
 //!
 //! Method: for each case, ours and cuBLAS alternate in rounds of 5 launches, each launch between
 //! two CUDA events, after a warm-up of 3 launches each; the median over all timed launches is
@@ -16,10 +18,11 @@
 //! ```text
 //! cargo bench --bench gemm                  # everything
 //! cargo bench --bench gemm -- 4096          # names containing "4096"
+//! cargo bench --bench gemm -- accuracy      # the accuracy table only
 //! ```
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use kernels::ops::{self, Activation, Gemm};
+use kernels::ops::{self, Activation, Gemm, Precision};
 use kernels::{DType, Device, Result, Tensor};
 
 struct Case {
@@ -34,11 +37,18 @@ struct Case {
 
 fn cases() -> Vec<Case> {
     let mut v = Vec::new();
-    let mut add = |m: usize, n: usize, k: usize, ta: bool, tb: bool, linear: bool| {
+    let mut add_p = |m: usize, n: usize, k: usize, ta: bool, tb: bool, linear: bool, precision: Precision| {
         let ops = format!("{}{}", if ta { 't' } else { 'n' }, if tb { 't' } else { 'n' });
-        let what = if linear { "linear_bias_relu" } else { "sgemm" };
-        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), g: Gemm::new(ta, tb), m, n, k, linear });
+        let what = match (linear, precision) {
+            (false, Precision::Highest) => "sgemm",
+            (true, Precision::Highest) => "linear_bias_relu",
+            (false, _) => "sgemm_3xtf32",
+            (true, _) => "linear_bias_relu_3xtf32",
+        };
+        let g = Gemm { precision: Some(precision), ..Gemm::new(ta, tb) };
+        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), g, m, n, k, linear });
     };
+    let mut add = |m, n, k, ta, tb, linear| add_p(m, n, k, ta, tb, linear, Precision::Highest);
     add(4096, 4096, 4096, false, false, false);
     add(8192, 8192, 8192, false, false, false);
     add(8192, 8192, 128, false, false, false);
@@ -54,6 +64,19 @@ fn cases() -> Vec<Case> {
     // The fused linear layer: x [8192, 4096] @ W^T, W [4096, 4096]; and a small one.
     add(8192, 4096, 4096, false, true, true);
     add(64, 1024, 1024, false, true, true);
+    // 3xTF32 on the tensor cores (cuBLAS still runs its FP32 product: the ratio is against it).
+    let p = Precision::Tf32x3;
+    add_p(4096, 4096, 4096, false, false, false, p);
+    add_p(4096, 4096, 4096, false, true, false, p);
+    add_p(8192, 4096, 4096, false, true, true, p);
+    add_p(8192, 8192, 8192, false, false, false, p);
+    add_p(8192, 8192, 128, false, false, false, p);
+    add_p(128, 8192, 8192, false, false, false, p);
+    add_p(4096, 4096, 16384, false, false, false, p);
+    add_p(4096, 4096, 4096, true, false, false, p);
+    add_p(4096, 4096, 4096, true, true, false, p);
+    add_p(1000, 1000, 1000, false, false, false, p);
+    add_p(64, 1024, 1024, false, true, true, p);
     v
 }
 
@@ -154,6 +177,78 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
     Ok((median(&mut t_ours), median(&mut t_blas)))
 }
 
+/// Relative Frobenius error against an f64 product of `m x k` by `k x n` (row-major, computed
+/// here) for ours in each precision and for cuBLAS in FP32 and in TF32, on the same data: normal
+/// values (sums that cancel) and uniform values in [0, 1) (sums that grow, where a biased
+/// rounding shows).
+fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
+    println!("\naccuracy: relative Frobenius error against f64 (same inputs for every row)");
+    println!(
+        "{:<36} {:>12} {:>12} {:>12} {:>12}",
+        "data, m x n x k", "ours f32", "ours 3xTF32", "cuBLAS f32", "cuBLAS TF32"
+    );
+    let (m, n) = (256usize, 256usize);
+    for k in [4096usize, 16384] {
+        for uniform in [false, true] {
+            let (a, b) = if uniform {
+                (
+                    Tensor::rand_uniform(dev, &[m, k], DType::F32, 0.0, 1.0, 11)?,
+                    Tensor::rand_uniform(dev, &[k, n], DType::F32, 0.0, 1.0, 12)?,
+                )
+            } else {
+                (
+                    Tensor::rand_normal(dev, &[m, k], DType::F32, 0.0, 1.0, 11)?,
+                    Tensor::rand_normal(dev, &[k, n], DType::F32, 0.0, 1.0, 12)?,
+                )
+            };
+            let (ha, hb) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+            let mut want = vec![0.0f64; m * n];
+            for i in 0..m {
+                for kk in 0..k {
+                    let x = ha[i * k + kk] as f64;
+                    let row = &hb[kk * n..(kk + 1) * n];
+                    for (w, &y) in want[i * n..(i + 1) * n].iter_mut().zip(row) {
+                        *w += x * y as f64;
+                    }
+                }
+            }
+            let err = |got: &[f32]| {
+                let (e2, r2) = got
+                    .iter()
+                    .zip(&want)
+                    .fold((0.0f64, 0.0f64), |(e2, r2), (&g, &w)| (e2 + (g as f64 - w).powi(2), r2 + w * w));
+                (e2 / r2).sqrt()
+            };
+            let mut row = Vec::new();
+            // `Tf32x3Always`: at this size `Tf32x3` would run the FMA kernel.
+            for precision in [Precision::Highest, Precision::Tf32x3Always] {
+                let mut c = Tensor::empty(dev, &[m, n], DType::F32)?;
+                ops::gemm(&a, &b, &mut c, Gemm { precision: Some(precision), ..Gemm::default() })?;
+                row.push(err(&c.to_vec::<f32>()?));
+            }
+            let cs = Case { name: String::new(), g: Gemm::default(), m, n, k, linear: false };
+            for math in
+                [cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH, cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH]
+            {
+                let mut c = Tensor::empty(dev, &[m, n], DType::F32)?;
+                // SAFETY: the handle is live; the tensors outlive the product (to_vec synchronises).
+                unsafe {
+                    cublas_sys::cublasSetMathMode(h, math).result().expect("math mode");
+                    cublas_sgemm(h, &cs, &a, &b, &mut c);
+                }
+                row.push(err(&c.to_vec::<f32>()?));
+            }
+            // SAFETY: as above.
+            unsafe { cublas_sys::cublasSetMathMode(h, cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH) }
+                .result()
+                .expect("math mode");
+            let data = format!("{}, {m} x {n} x {k}", if uniform { "uniform [0,1)" } else { "normal" });
+            println!("{data:<36} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e}", row[0], row[1], row[2], row[3]);
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let dev = match Device::cuda(0) {
@@ -176,7 +271,7 @@ fn main() {
         cublas_sys::cublasSetMathMode(h, cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH).result().expect("math mode");
     }
     println!("device: {} ({} SMs); {iters} timed launches each", dev.name(), dev.sm_count());
-    println!("{:<48} {:>10} {:>9} {:>10} {:>9} {:>7}", "case", "ours ms", "TFLOP/s", "cuBLAS ms", "TFLOP/s", "ratio");
+    println!("{:<60} {:>10} {:>9} {:>10} {:>9} {:>7}", "case", "ours ms", "TFLOP/s", "cuBLAS ms", "TFLOP/s", "ratio");
     let mut json = Vec::new();
     for cs in cases() {
         if !filter.is_empty() && !filter.iter().any(|f| cs.name.contains(f.as_str())) {
@@ -185,7 +280,7 @@ fn main() {
         let (ours, blas) = run_case(&dev, h, &cs, iters).unwrap_or_else(|e| panic!("{}: {e}", cs.name));
         let flop = 2.0 * cs.m as f64 * cs.n as f64 * cs.k as f64;
         let (tf, tb) = (flop / ours / 1e9, flop / blas / 1e9);
-        println!("{:<48} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>6.3}x", cs.name, ours, tf, blas, tb, blas / ours);
+        println!("{:<60} {:>10.3} {:>9.1} {:>10.3} {:>9.1} {:>6.3}x", cs.name, ours, tf, blas, tb, blas / ours);
         json.push(format!(
             "  {{\"name\": \"{}\", \"m\": {}, \"n\": {}, \"k\": {}, \"ms\": {ours}, \"tflops\": {tf}, \"cublas_ms\": {blas}, \
              \"cublas_tflops\": {tb}, \"ratio_vs_cublas\": {}}}",
@@ -195,6 +290,9 @@ fn main() {
             cs.k,
             blas / ours
         ));
+    }
+    if filter.is_empty() || filter.iter().any(|f| f == "accuracy") {
+        accuracy(&dev, h).unwrap_or_else(|e| panic!("accuracy: {e}"));
     }
     if let Ok(path) = std::env::var("KERNELS_BENCH_JSON") {
         std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n"))).expect("write the JSON");

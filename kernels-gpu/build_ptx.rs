@@ -95,6 +95,14 @@ pub fn launch_bound(kernel: &str) -> Option<u32> {
 /// block fits. A tile of fewer threads gets no minimum (a 64 x 64 tile of 64 threads, tried,
 /// stages two chunks per operand and spilled at 128; unbounded it took 144: benches/NOTES.md).
 pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
+    // The 3xTF32 kernels (kernels-gpu/src/gemm_tf32x3.rs): 256 threads; one block an SM for
+    // those that sum each stage apart (128 accumulators a thread), two for the others.
+    if kernel.starts_with("gemm_tf32x3tc") {
+        return Some((256, Some(2)));
+    }
+    if kernel.starts_with("gemm_tf32x3") {
+        return Some((256, None));
+    }
     let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
     let (bm, bn) = tile.split_once('x')?;
     let threads = bm.parse::<u32>().ok()? * bn.parse::<u32>().ok()? / 64;

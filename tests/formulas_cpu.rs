@@ -159,3 +159,41 @@ fn adamw_update_matches_the_f64_reference() {
         }
     }
 }
+
+/// The 3xTF32 split (`kernels_gpu::gemm_tf32x3::split_tf32`, the code the GEMM runs): `hi` is `x`
+/// rounded to TF32 (to nearest, ties away), `lo` is the exact rest, and what the tensor core
+/// reads of them (`lo` truncated to TF32) is within `max(2^-21 |x|, 2^-136)` of `x`;
+/// infinities give `lo = 0`, NaN a NaN `lo`.
+#[test]
+fn tf32x3_split_holds_x_to_2_pow_minus_21() {
+    use kernels_gpu::gemm_tf32x3::split_tf32;
+    let tf32 = |b: u32| f32::from_bits(b & 0xffff_e000) as f64;
+    let mut rng = TestRng::new(0x7f32);
+    let mut xs: Vec<f32> =
+        (0..N).map(|_| (rng.normal() * 10f64.powi((rng.next_u64() % 60) as i32 - 30)) as f32).collect();
+    xs.extend((0..N / 10).map(|_| f32::from_bits(rng.next_u64() as u32 & 0x7fff_ffff)).filter(|x| x.is_finite()));
+    xs.extend([0.0, -0.0, 1.0, -1.0, f32::MIN_POSITIVE, 1e-40, -3e-45, 1.0 + f32::EPSILON, 3.4e38, -3.4e38]);
+    // Ties: exactly half a TF32 step above 1 rounds away from zero.
+    xs.push(f32::from_bits(0x3f80_1000));
+    for &x in &xs {
+        let (hi, lo) = split_tf32(x);
+        assert_eq!(hi & 0x1fff, 0, "x = {x:e}: hi has bits below TF32");
+        let seen = tf32(hi) + tf32(lo);
+        let bound = (2f64.powi(-21) * (x as f64).abs()).max(2f64.powi(-136));
+        assert!((seen - x as f64).abs() <= bound, "x = {x:e}: hi + lo = {seen:e}, off by more than {bound:e}");
+        // hi is the nearest TF32 value (ties away from zero).
+        let step = 2f64.powi(((x as f64).abs().log2().floor() as i32).max(-200) - 10).max(2f64.powi(-136));
+        assert!(
+            (tf32(hi) - x as f64).abs() <= step / 2.0 || x.abs() > 3.4e38,
+            "x = {x:e}: hi = {} is not the nearest TF32",
+            tf32(hi)
+        );
+    }
+    assert_eq!(f32::from_bits(split_tf32(1.0 + 2f32.powi(-11)).0), 1.0 + 2f32.powi(-10), "ties round away");
+    for inf in [f32::INFINITY, f32::NEG_INFINITY] {
+        assert_eq!(split_tf32(inf), (inf.to_bits(), 0), "infinity: lo must be 0");
+    }
+    for nan in [f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(0xffff_ffff)] {
+        assert!(f32::from_bits(split_tf32(nan).1).is_nan(), "NaN {:#x}: lo must be NaN", nan.to_bits());
+    }
+}

@@ -22,7 +22,7 @@ mod common;
 
 use common::reference::{U, act_bwd, act_bwd_tol, act_fwd, act_fwd_tol};
 use common::*;
-use kernels::ops::{self, Activation, Gemm};
+use kernels::ops::{self, Activation, Gemm, Precision};
 use kernels::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 use std::process::ExitCode;
@@ -121,8 +121,20 @@ impl Case {
             v += b[j] as f64;
             scale += (b[j] as f64).abs();
         }
-        let u = U / 2.0;
-        (v, (self.k + splits + 4) as f64 * u * scale)
+        (v, self.bound_terms(splits) * (U / 2.0) * scale)
+    }
+
+    /// The error bound's multiple of `u S` (module header): `K + s + 4` for f32 FMAs. For
+    /// 3xTF32, each product is off by at most `3 * 2^-21 = 24 u` of `|a b|` (the split), and the
+    /// tensor core's additions truncate: at most one ulp (`2 u`) of the running sum for each of
+    /// the three products of 8 terms per 8 steps of K (`0.75 K` ulps, `1.5 K u`), plus one
+    /// rounded add per stage of 32 and the slices and the epilogue as above: `2 K + s + 32`
+    /// covers them.
+    fn bound_terms(&self, splits: usize) -> f64 {
+        match self.g.precision {
+            None | Some(Precision::Highest) => (self.k + splits + 4) as f64,
+            Some(_) => (2 * self.k + splits + 32) as f64,
+        }
     }
 }
 
@@ -170,7 +182,7 @@ fn check(dev: &Device, cs: &Case, rows: Option<&[usize]>) -> Result<(), String> 
     }
     let rel = if ref2 > 0.0 { (err2 / ref2).sqrt() } else { 0.0 };
     // The worst-case bound in Frobenius form, for a report-only sanity check.
-    if cs.k > 0 && rel > (cs.k + splits + 4) as f64 * U {
+    if cs.k > 0 && rel > cs.bound_terms(splits) * U {
         return Err(format!("{}x{}x{}: relative Frobenius error {rel:e} beyond K u", cs.m, cs.n, cs.k));
     }
     Ok(())
@@ -209,6 +221,13 @@ fn acts() -> impl Strategy<Value = Activation> {
     ]
 }
 
+fn precisions() -> impl Strategy<Value = Precision> {
+    prop_oneof![Just(Precision::Highest), Just(Precision::Tf32x3Always)]
+}
+
+/// Both ways of computing an f32 product.
+const PRECISIONS: [Precision; 2] = [Precision::Highest, Precision::Tf32x3Always];
+
 fn random_products(dev: &Device) -> Result<(), String> {
     let strat = (
         (any::<bool>(), any::<bool>()),
@@ -217,11 +236,11 @@ fn random_products(dev: &Device) -> Result<(), String> {
         0u8..3,
         (prop_oneof![Just(1.0f32), Just(0.0), -2.0f32..2.0], prop_oneof![Just(0.0f32), Just(1.0), -2.0f32..2.0]),
         any::<bool>(),
-        acts(),
+        (acts(), precisions()),
         any::<u64>(),
     );
-    prop(64, strat, |((ta, tb), mnk, batch, share, (alpha, beta), bias, act, seed)| {
-        let g = Gemm { trans_a: ta, trans_b: tb, alpha, beta };
+    prop(96, strat, |((ta, tb), mnk, batch, share, (alpha, beta), bias, (act, precision), seed)| {
+        let g = Gemm { trans_a: ta, trans_b: tb, alpha, beta, precision: Some(precision) };
         let share = if batch.is_some() { share } else { 0 };
         check(dev, &make_case(seed, g, batch, mnk, share, bias, act), None)
     })
@@ -246,21 +265,23 @@ fn large_products(dev: &Device) -> Result<(), String> {
         // Enough 128 x 128 tiles to fill the GPU without a split (144 for 132 SMs).
         (1536, 1544, if sanitizer() { 64 } else { 300 }),
     ];
-    for (i, &(m, n, k)) in shapes.iter().enumerate() {
-        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-            let g = Gemm { trans_a: ta, trans_b: tb, alpha: 1.0, beta: 0.0 };
-            let cs = make_case(1000 + i as u64, g, None, (m, n, k), 0, i % 2 == 0, Activation::Identity);
-            let r: Vec<usize> = rows.iter().copied().filter(|&r| r < m).chain([m - 1]).collect();
-            check(dev, &cs, Some(&r))?;
+    for precision in PRECISIONS {
+        for (i, &(m, n, k)) in shapes.iter().enumerate() {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let g = Gemm { trans_a: ta, trans_b: tb, alpha: 1.0, beta: 0.0, precision: Some(precision) };
+                let cs = make_case(1000 + i as u64, g, None, (m, n, k), 0, i % 2 == 0, Activation::Identity);
+                let r: Vec<usize> = rows.iter().copied().filter(|&r| r < m).chain([m - 1]).collect();
+                check(dev, &cs, Some(&r))?;
+            }
         }
-    }
-    // The fused epilogue on the split-K path and on a large tile grid.
-    for (i, act) in [Activation::Relu, Activation::Gelu, Activation::Silu].into_iter().enumerate() {
-        let g = Gemm { trans_a: false, trans_b: true, alpha: 0.5, beta: 0.75 };
-        let cs = make_case(2000 + i as u64, g, None, (128, 1000, 4096), 0, true, act);
-        check(dev, &cs, Some(&[0, 5, 127]))?;
-        let cs = make_case(3000 + i as u64, g, None, (big, big, 64), 0, true, act);
-        check(dev, &cs, Some(&[0, 77, big - 1]))?;
+        // The fused epilogue on the split-K path and on a large tile grid.
+        for (i, act) in [Activation::Relu, Activation::Gelu, Activation::Silu].into_iter().enumerate() {
+            let g = Gemm { trans_a: false, trans_b: true, alpha: 0.5, beta: 0.75, precision: Some(precision) };
+            let cs = make_case(2000 + i as u64, g, None, (128, 1000, 4096), 0, true, act);
+            check(dev, &cs, Some(&[0, 5, 127]))?;
+            let cs = make_case(3000 + i as u64, g, None, (big, big, 64), 0, true, act);
+            check(dev, &cs, Some(&[0, 77, big - 1]))?;
+        }
     }
     Ok(())
 }
@@ -271,23 +292,49 @@ fn ieee(dev: &Device) -> Result<(), String> {
     let (m, n, k) = (130usize, 70usize, 40usize);
     let mut rng = TestRng::new(7);
     let mut a = Mats::random(&mut rng, None, m, k);
-    let b = Mats::random(&mut rng, None, k, n);
+    let mut b = Mats::random(&mut rng, None, k, n);
     a.v[3 * k + 5] = f32::NAN;
+    // A NaN whose payload lies in the bits TF32 drops (3xTF32 rounds them away from `hi`).
+    a.v[7 * k + 2] = f32::from_bits(0x7f80_0001);
     a.v[100 * k + 1] = f32::INFINITY;
+    // Row 120 of A and column 9 of B: denormals only (products near 1e-76 underflow to 0; the
+    // rows of A that meet column 9 must still be finite, and row 120 times normal B is a sum
+    // of denormals that must not be flushed).
+    for kk in 0..k {
+        a.v[120 * k + kk] = f32::from_bits(0x0040_0000 + kk as u32 * 4099) * if kk % 2 == 0 { 1.0 } else { -1.0 };
+        b.v[kk * n + 9] = f32::from_bits(0x0000_1000 + kk as u32 * 77);
+    }
+    // Column 40 of B: minus infinity at one K.
+    b.v[11 * n + 40] = f32::NEG_INFINITY;
     let (ta, tb) = (a.upload(dev)?, b.upload(dev)?);
-    let mut c = Tensor::full(dev, &[m, n], DType::F32, f32::NAN).map_err(e)?;
-    ops::gemm(&ta, &tb, &mut c, Gemm::default()).map_err(e)?;
-    let got = c.to_vec::<f32>().map_err(e)?;
-    for i in 0..m {
-        for j in 0..n {
-            let g = got[i * n + j];
-            let ok = match i {
-                3 => g.is_nan(),
-                100 => g.is_nan() || g.is_infinite(),
-                _ => g.is_finite(),
-            };
-            if !ok {
-                return Err(format!("C[{i}][{j}] = {g}"));
+    for precision in PRECISIONS {
+        let mut c = Tensor::full(dev, &[m, n], DType::F32, f32::NAN).map_err(e)?;
+        ops::gemm(&ta, &tb, &mut c, Gemm { precision: Some(precision), ..Gemm::default() }).map_err(e)?;
+        let got = c.to_vec::<f32>().map_err(e)?;
+        for i in 0..m {
+            for j in 0..n {
+                let g = got[i * n + j];
+                // IEEE: inf * x is +-inf for x != 0, and a sum holding +inf and -inf is NaN.
+                let ok = match (i, j) {
+                    (3 | 7, _) => g.is_nan(),
+                    (100, _) | (_, 40) => g.is_nan() || g.is_infinite(),
+                    (120, _) => {
+                        let exact: f64 = (0..k).map(|kk| a.at(0, 120, kk) * b.at(0, kk, j)).sum();
+                        let scale: f64 = (0..k).map(|kk| (a.at(0, 120, kk) * b.at(0, kk, j)).abs()).sum();
+                        // 3xTF32 holds a value below 2^-115 to 2^-136 absolute (gemm_tf32x3.rs:
+                        // TF32 has no bits below that), so each product is off by up to 2^-136
+                        // times the other factor (2^-135 leaves room for both roundings).
+                        let tiny = match precision {
+                            Precision::Highest => 0.0,
+                            _ => 2f64.powi(-135) * (0..k).map(|kk| b.at(0, kk, j).abs()).sum::<f64>(),
+                        };
+                        g.is_finite() && ((g as f64) - exact).abs() <= 1e-4 * scale + tiny + 1e-44
+                    }
+                    _ => g.is_finite(),
+                };
+                if !ok {
+                    return Err(format!("{precision:?}: C[{i}][{j}] = {g}"));
+                }
             }
         }
     }
@@ -319,11 +366,55 @@ fn deterministic(dev: &Device) -> Result<(), String> {
         let mut rng = TestRng::new(11);
         let a = Mats::random(&mut rng, None, m, k).upload(dev)?;
         let b = Mats::random(&mut rng, None, k, n).upload(dev)?;
-        let x = ops::matmul(&a, &b).map_err(e)?.to_vec::<f32>().map_err(e)?;
-        let y = ops::matmul(&a, &b).map_err(e)?.to_vec::<f32>().map_err(e)?;
-        if x.iter().zip(&y).any(|(p, q)| p.to_bits() != q.to_bits()) {
-            return Err(format!("{m}x{n}x{k}: two runs differ"));
+        for precision in PRECISIONS {
+            let run = || -> Result<Vec<f32>, String> {
+                let mut c = Tensor::empty(dev, &[m, n], DType::F32).map_err(e)?;
+                ops::gemm(&a, &b, &mut c, Gemm { precision: Some(precision), ..Gemm::default() }).map_err(e)?;
+                c.to_vec::<f32>().map_err(e)
+            };
+            let (x, y) = (run()?, run()?);
+            if x.iter().zip(&y).any(|(p, q)| p.to_bits() != q.to_bits()) {
+                return Err(format!("{precision:?} {m}x{n}x{k}: two runs differ"));
+            }
         }
+    }
+    Ok(())
+}
+
+/// `Device::set_f32_matmul_precision` reaches the products that name no precision (`matmul`,
+/// the linear layer): with Tf32x3 set, `matmul` gives the bits of an explicit 3xTF32 product
+/// (and not those of the FMA kernel); set back, those of the FMA kernel. The other tests name
+/// their precision or use shapes below the 3xTF32 threshold, so they see no difference while
+/// this one runs.
+fn device_precision(dev: &Device) -> Result<(), String> {
+    let n = 512; // C of 2^18 elements, K = 512: 3xTF32 runs its own kernel.
+    let mut rng = TestRng::new(21);
+    let a = Mats::random(&mut rng, None, n, n).upload(dev)?;
+    let b = Mats::random(&mut rng, None, n, n).upload(dev)?;
+    let explicit = |p: Precision| -> Result<Vec<u32>, String> {
+        let mut c = Tensor::empty(dev, &[n, n], DType::F32).map_err(e)?;
+        ops::gemm(&a, &b, &mut c, Gemm { precision: Some(p), ..Gemm::default() }).map_err(e)?;
+        Ok(c.to_vec::<f32>().map_err(e)?.iter().map(|v| v.to_bits()).collect())
+    };
+    let implicit = || -> Result<Vec<u32>, String> {
+        Ok(ops::matmul(&a, &b).map_err(e)?.to_vec::<f32>().map_err(e)?.iter().map(|v| v.to_bits()).collect())
+    };
+    let (fma, tf32x3) = (explicit(Precision::Highest)?, explicit(Precision::Tf32x3)?);
+    if fma == tf32x3 {
+        return Err("the FMA and 3xTF32 kernels gave the same bits: the comparison below proves nothing".into());
+    }
+    if dev.f32_matmul_precision() != Precision::Highest {
+        return Err(format!("default precision is {:?}", dev.f32_matmul_precision()));
+    }
+    dev.set_f32_matmul_precision(Precision::Tf32x3);
+    let got = implicit();
+    let reported = dev.f32_matmul_precision();
+    dev.set_f32_matmul_precision(Precision::Highest);
+    if reported != Precision::Tf32x3 || got? != tf32x3 {
+        return Err("with Tf32x3 set, matmul did not run the 3xTF32 kernel".into());
+    }
+    if implicit()? != fma {
+        return Err("set back to Highest, matmul did not run the FMA kernel".into());
     }
     Ok(())
 }
@@ -504,6 +595,7 @@ fn main() -> ExitCode {
         test("gemm/large_products_sampled_rows", large_products),
         test("gemm/ieee", ieee),
         test("gemm/deterministic", deterministic),
+        test("gemm/device_precision", device_precision),
         test("gemm/errors", errors),
         test("linear/forward_backward", linear_layer),
     ];

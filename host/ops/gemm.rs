@@ -1,6 +1,8 @@
-//! Matrix products in f32 (host side of `kernels-gpu/src/gemm.rs`): `C = alpha * op(A) @ op(B) +
-//! beta * C` for row-major matrices, batched over a leading dimension, with an optional fused
-//! epilogue `act(... + bias)`.
+//! Matrix products in f32 (host side of `kernels-gpu/src/gemm.rs` and
+//! `kernels-gpu/src/gemm_tf32x3.rs`): `C = alpha * op(A) @ op(B) + beta * C` for row-major
+//! matrices, batched over a leading dimension, with an optional fused epilogue `act(... +
+//! bias)`, in f32 FMAs or, by choice ([`Precision`]), 3xTF32 on the tensor cores. Both families
+//! take the same parameters, tiles and grid.
 //!
 //! Launch logic: one block per 128 x 128 tile of C and per batch. When C has fewer tiles than
 //! the GPU has SMs and K is long enough to share out, K is split into slices computed as a batch
@@ -17,6 +19,7 @@ use kernels_gpu::gemm::{
     BK, EPI_GELU, EPI_GELU_TANH, EPI_IDENTITY, EPI_RELU, EPI_SILU, GemmArgs, SPLITK_REDUCE_KERNEL, SPLITK_THREADS,
     SplitKReduceArgs, TILE_128, TILES, Tile, gemm_kernel,
 };
+use kernels_gpu::gemm_tf32x3::{self as tf32x3, TF32X3_KERNELS, tf32x3_kernel};
 use kernels_gpu::kernel::Params;
 
 /// The transposes and scalars of a GEMM: `C = alpha * op(A) @ op(B) + beta * C`, where `op(X)` is
@@ -28,12 +31,15 @@ pub struct Gemm {
     pub trans_b: bool,
     pub alpha: f32,
     pub beta: f32,
+    /// How the products are computed; `None`: the device's setting
+    /// ([`Device::set_f32_matmul_precision`], f32 FMAs unless set).
+    pub precision: Option<Precision>,
 }
 
 impl Default for Gemm {
     /// `C = A @ B`.
     fn default() -> Self {
-        Gemm { trans_a: false, trans_b: false, alpha: 1.0, beta: 0.0 }
+        Gemm { trans_a: false, trans_b: false, alpha: 1.0, beta: 0.0, precision: None }
     }
 }
 
@@ -41,6 +47,39 @@ impl Gemm {
     /// `C = op(A) @ op(B)` with the given transposes.
     pub fn new(trans_a: bool, trans_b: bool) -> Gemm {
         Gemm { trans_a, trans_b, ..Gemm::default() }
+    }
+}
+
+/// How an f32 product is computed: the levels of PyTorch's `torch.set_float32_matmul_precision`
+/// that keep f32 accuracy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// f32 fused multiply-adds on the CUDA cores: PyTorch's `"highest"` (its default), cuBLAS's
+    /// default FP32 mode.
+    #[default]
+    Highest,
+    /// "3xTF32" on the tensor cores (kernels-gpu/src/gemm_tf32x3.rs): each operand split into two
+    /// TF32 parts and three tensor-core products summed in f32. Each product is held to 2^-21
+    /// instead of an FMA's 2^-24, below the error of the f32 sum over K in long products:
+    /// measured against f64 at K = 4096, the relative error was 2.7e-7 (FMAs 3.0e-7) on normal
+    /// values and 2.2e-7 (FMAs 8.0e-8) on uniform [0, 1) ones; TF32 alone gave 2.9e-4 and
+    /// 5.6e-6 (benches/NOTES.md). Values below 2^-115 in magnitude are held to 2^-136 absolute.
+    /// PyTorch's `"high"` is plain TF32 (or bf16x3), not this.
+    ///
+    /// Products with a short K (under 256) or a small C (under 2^18 elements) run the FMA kernel
+    /// instead, which is faster there and at least as accurate.
+    Tf32x3,
+    /// [`Precision::Tf32x3`] on every shape, also where the FMA kernel is faster (for tests and
+    /// measurements of the 3xTF32 kernel on small products).
+    Tf32x3Always,
+}
+
+/// The kernel family a product of `m x k` by `k x n` (`batch` of them) runs in.
+fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64)) -> Precision {
+    match precision {
+        Precision::Tf32x3 if k < 256 || batch * m * n < 1 << 18 => Precision::Highest,
+        Precision::Tf32x3Always => Precision::Tf32x3,
+        p => p,
     }
 }
 
@@ -205,7 +244,12 @@ fn launch_tiles(
     epi: u32,
     alpha_beta: (f32, f32),
 ) -> Result<()> {
-    let kernel = gemm_kernel(g.trans_a, g.trans_b, tile);
+    // The 3xTF32 kernels have the same tile, grid and parameters, their own block and ring.
+    let (kernel, threads, shared_bytes) = match g.precision.unwrap_or_default() {
+        Precision::Highest => (gemm_kernel(g.trans_a, g.trans_b, tile), tile.threads(), tile.smem_bytes()),
+        _ => (tf32x3_kernel(g.trans_a, g.trans_b), tf32x3::THREADS, tf32x3::SMEM_BYTES),
+    };
+    debug_assert_eq!((tile.bm, tile.bn), (tf32x3::BM, tf32x3::BN));
     let rows_per_launch = MAX_GRID_YZ * tile.bm as u64;
     let gx = n.div_ceil(tile.bn as u64);
     let mut z0 = 0;
@@ -219,8 +263,8 @@ fn launch_tiles(
             let c_off = z0 * c.stride + r0 * c.ld;
             let cfg = LaunchConfig {
                 grid: (gx as u32, nr.div_ceil(tile.bm as u64) as u32, nz as u32),
-                block: (tile.threads(), 1, 1),
-                shared_bytes: tile.smem_bytes(),
+                block: (threads, 1, 1),
+                shared_bytes,
             };
             let args: GemmArgs = (
                 a.at(a_off).ptr as *const f32,
@@ -301,6 +345,8 @@ pub(crate) fn gemm_dims(
         return Ok(());
     }
     let dev = a.device().clone();
+    // From here on `precision` names the kernel family: Highest or Tf32x3.
+    let g = Gemm { precision: Some(resolve(g.precision.unwrap_or(dev.f32_matmul_precision()), (batch, m, n, k))), ..g };
     let (ar, ac) = if g.trans_a { (k, m) } else { (m, k) };
     let (br, bc) = if g.trans_b { (n, k) } else { (k, n) };
     let stride = |d: Dims, r: u64, cols: u64| if d.0.is_some() { r * cols } else { 0 };
@@ -380,6 +426,9 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
             v.push((gemm_kernel(ta, tb, tile).to_string(), <GemmArgs as Params>::ARITY));
         }
     }
+    for name in TF32X3_KERNELS {
+        v.push((name.to_string(), <GemmArgs as Params>::ARITY));
+    }
     v.push((SPLITK_REDUCE_KERNEL.to_string(), <SplitKReduceArgs as Params>::ARITY));
     v
 }
@@ -414,6 +463,21 @@ mod tests {
         // Prime K: the last slice is shorter.
         let p = plan(64, 64, 100_003, 1, sms);
         assert!(p.splits > 1 && p.chunk * (p.splits - 1) < 100_003 && p.chunk * p.splits >= 100_003, "{p:?}");
+    }
+
+    #[test]
+    fn tf32x3_runs_the_fma_kernel_where_that_is_faster() {
+        let t = Precision::Tf32x3;
+        // Measured on the H100: 3xTF32 faster at 4096^3, 1000^3 and split-K 128 x 8192 x 8192;
+        // slower at K = 128 and on C of 64 x 1024.
+        for shape in [(1, 4096, 4096, 4096), (1, 1000, 1000, 1000), (1, 128, 8192, 8192), (4, 256, 256, 256)] {
+            assert_eq!(resolve(t, shape), Precision::Tf32x3, "{shape:?}");
+        }
+        for shape in [(1, 8192, 8192, 128), (1, 64, 1024, 1024), (1, 511, 511, 4096)] {
+            assert_eq!(resolve(t, shape), Precision::Highest, "{shape:?}");
+        }
+        assert_eq!(resolve(Precision::Tf32x3Always, (1, 1, 1, 1)), Precision::Tf32x3);
+        assert_eq!(resolve(Precision::Highest, (1, 4096, 4096, 4096)), Precision::Highest);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! SGEMM: `C = epilogue(alpha * op(A) @ op(B) + beta * C)` in f32, row-major, on the CUDA cores
 //! (FFMA; no tensor cores, no TF32), with the bias and activation of a linear layer fused into
-//! the store.
+//! the store. The same product on the tensor cores, with f32 accuracy: `gemm_tf32x3.rs`.
 //!
 //! # The bound
 //! An H100 issues one warp-wide FFMA per clock on each of an SM's four schedulers: 128 lanes x 2
@@ -141,20 +141,6 @@ pub fn epilogue(acc: f32, alpha: f32, beta: f32, c_old: impl FnOnce() -> f32, bi
 mod device {
     use super::*;
     use crate::prim;
-
-    /// Writes `$body` out once per literal, with `$k` a constant of type `$t` bound to it: the
-    /// K loop of a stage must be straight-line code, its shared-memory offsets immediates,
-    /// which LLVM's unroller does not guarantee for a 512-FFMA body; and the epilogue's
-    /// per-element code includes the activation's branches, too big for LLVM to unroll, where
-    /// a rolled loop indexes its 4 values in local memory.
-    macro_rules! unroll {
-        ($k:ident: $t:ty; $($n:literal)* => $body:block) => {{
-            $( {
-                const $k: $t = $n;
-                $body
-            } )*
-        }};
-    }
 
     /// One operand's share of a stage for one thread: `CH` 16-byte chunks of the `R x BK` tile
     /// of `op(X)` (`R` = BM or BN), loaded from global memory into registers, then stored to

@@ -16,11 +16,26 @@
 // (an outlined closure gets its captures through local memory).
 #![cfg_attr(target_arch = "nvptx64", feature(stmt_expr_attributes))]
 
+/// Writes `$body` out once per literal, with `$k` a constant of type `$t` bound to it. The GEMM
+/// kernels need straight-line code with constant indices: shared-memory offsets as immediates
+/// and fragments and accumulators in registers, which LLVM's unroller does not guarantee for
+/// bodies of hundreds of instructions (a rolled loop indexes its arrays in local memory).
+#[allow(unused_macros)]
+macro_rules! unroll {
+    ($k:ident: $t:ty; $($n:literal)* => $body:block) => {{
+        $( {
+            const $k: $t = $n;
+            $body
+        } )*
+    }};
+}
+
 pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
 pub mod fastmath;
 pub mod gemm;
+pub mod gemm_tf32x3;
 pub mod init;
 pub mod kernel;
 pub mod math;

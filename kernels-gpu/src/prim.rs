@@ -174,6 +174,38 @@ pub unsafe fn ld_shared_v4_f32(addr: u32) -> [f32; 4] {
     [a, b, c, d]
 }
 
+/// Loads 4 bytes of shared memory (an f32's bits).
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address inside the launch's dynamic shared
+/// memory.
+#[inline(always)]
+pub unsafe fn ld_shared_b32(addr: u32) -> u32 {
+    let v: u32;
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("ld.shared.b32 {v}, [{p}];", v = out(reg32) v, p = in(reg32) addr,
+             options(pure, readonly, nostack, preserves_flags));
+    }
+    v
+}
+
+/// Loads 8 bytes of shared memory (two f32's bits).
+///
+/// # Safety
+/// `addr` must be an 8-byte aligned shared-window address inside the launch's dynamic shared
+/// memory.
+#[inline(always)]
+pub unsafe fn ld_shared_v2_b32(addr: u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("ld.shared.v2.b32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b, p = in(reg32) addr,
+             options(pure, readonly, nostack, preserves_flags));
+    }
+    [a, b]
+}
+
 /// Stores one f32 to shared memory.
 ///
 /// # Safety
@@ -454,6 +486,83 @@ pub unsafe fn st_global_v4(p: *mut u32, v: [u32; 4]) {
              p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
              d = in(reg32) v[3], options(nostack, preserves_flags));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous copies into shared memory (`cp.async`, sm_80 on): the copy runs while the thread
+// goes on, so several stages of a GEMM's operands can be in flight without staging registers.
+// Each thread's copies are grouped by `cp_async_commit`; `cp_async_wait::<N>` waits until at most
+// N of the thread's groups are still pending. A barrier is still needed before other threads
+// read what this thread copied.
+
+/// Copies `src_bytes` (0 to 16) bytes from `src` to the 16 bytes at shared-window address `dst`,
+/// zero-filling the rest; L2 only (`.cg`), as operands are reused from shared memory, not L1.
+///
+/// # Safety
+/// `dst` must be a 16-byte aligned shared-window address inside the dynamic shared memory, `src`
+/// 16-byte aligned with `src_bytes` readable bytes of global memory (any valid address when
+/// `src_bytes` is 0), not written during the launch.
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};", d = in(reg32) dst, s = in(reg64) src,
+             n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
+/// Copies `src_bytes` (0 or 4) bytes from `src` to the 4 bytes at `dst`, zero-filling otherwise.
+///
+/// # Safety
+/// As [`cp_async_16`], with 4-byte alignment.
+#[inline(always)]
+pub unsafe fn cp_async_4(dst: u32, src: *const f32, src_bytes: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("cp.async.ca.shared.global [{d}], [{s}], 4, {n};", d = in(reg32) dst, s = in(reg64) src,
+             n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
+/// Closes this thread's current group of `cp.async` copies.
+#[inline(always)]
+pub fn cp_async_commit() {
+    // SAFETY: no operands; only orders this thread's earlier copies into a group.
+    unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) };
+}
+
+/// Waits until at most `N` of this thread's committed groups are still in flight.
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    // SAFETY: no operands; a wait on this thread's own copies (also a compiler barrier: the
+    // shared-memory reads that follow must not move above it, hence no `nomem`).
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack, preserves_flags)) };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores in TF32 (sm_80 on).
+
+/// `d = a @ b + c` for one warp: a 16 x 8 (row) by 8 x 8 (col) product of TF32 values (f32 bits;
+/// the low 13 are ignored) with f32 accumulation
+/// (`mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32`). With `g = lane / 4`,
+/// `t = lane % 4`, a lane holds `a = [A(g, t), A(g + 8, t), A(g, t + 4), A(g + 8, t + 4)]`,
+/// `b = [B(t, g), B(t + 4, g)]` and `c`, `d = [C(g, 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8,
+/// 2t + 1)]`. Every lane of the warp must execute it together.
+#[inline(always)]
+pub fn mma_tf32_16x8x8(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+    let (d0, d1, d2, d3): (f32, f32, f32, f32);
+    // SAFETY: registers only; the caller's warp is converged (the kernels call it outside any
+    // divergent branch). Not `pure`, as `shfl`: the compiler must not move it into a branch.
+    unsafe {
+        asm!("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{{d0}, {d1}, {d2}, {d3}}}, \
+              {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{c0}, {c1}, {c2}, {c3}}};",
+             d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+             a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+             b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+             c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+             options(nomem, nostack, preserves_flags));
+    }
+    [d0, d1, d2, d3]
 }
 
 // ---------------------------------------------------------------------------------------------
