@@ -67,16 +67,21 @@ pub enum Precision {
     /// PyTorch's `"high"` is plain TF32 (or bf16x3), not this.
     ///
     /// Products with a short K (under 256) or a small C (under 2^18 elements) run the FMA kernel
-    /// instead, which is faster there and at least as accurate.
+    /// instead, which is faster there and at least as accurate; so does every product on a GPU
+    /// with less shared memory a block than the kernel's ring needs (the H100's and A100's
+    /// suffice; sm_86 and sm_89's 99 KiB do not).
     Tf32x3,
     /// [`Precision::Tf32x3`] on every shape, also where the FMA kernel is faster (for tests and
     /// measurements of the 3xTF32 kernel on small products).
     Tf32x3Always,
 }
 
-/// The kernel family a product of `m x k` by `k x n` (`batch` of them) runs in.
-fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64)) -> Precision {
+/// The kernel family a product of `m x k` by `k x n` (`batch` of them) runs in, on a GPU whose
+/// blocks may have `max_shared` bytes of shared memory: the 3xTF32 kernels need
+/// [`tf32x3::SMEM_BYTES`] (an H100 or A100 has them; GPUs with less run the FMA kernel).
+fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64), max_shared: u32) -> Precision {
     match precision {
+        Precision::Tf32x3 | Precision::Tf32x3Always if max_shared < tf32x3::SMEM_BYTES => Precision::Highest,
         Precision::Tf32x3 if k < 256 || batch * m * n < 1 << 18 => Precision::Highest,
         Precision::Tf32x3Always => Precision::Tf32x3,
         p => p,
@@ -346,7 +351,8 @@ pub(crate) fn gemm_dims(
     }
     let dev = a.device().clone();
     // From here on `precision` names the kernel family: Highest or Tf32x3.
-    let g = Gemm { precision: Some(resolve(g.precision.unwrap_or(dev.f32_matmul_precision()), (batch, m, n, k))), ..g };
+    let precision = g.precision.unwrap_or(dev.f32_matmul_precision());
+    let g = Gemm { precision: Some(resolve(precision, (batch, m, n, k), dev.max_shared_bytes())), ..g };
     let (ar, ac) = if g.trans_a { (k, m) } else { (m, k) };
     let (br, bc) = if g.trans_b { (n, k) } else { (k, n) };
     let stride = |d: Dims, r: u64, cols: u64| if d.0.is_some() { r * cols } else { 0 };
@@ -468,16 +474,21 @@ mod tests {
     #[test]
     fn tf32x3_runs_the_fma_kernel_where_that_is_faster() {
         let t = Precision::Tf32x3;
+        let h100 = 227 * 1024;
         // Measured on the H100: 3xTF32 faster at 4096^3, 1000^3 and split-K 128 x 8192 x 8192;
         // slower at K = 128 and on C of 64 x 1024.
         for shape in [(1, 4096, 4096, 4096), (1, 1000, 1000, 1000), (1, 128, 8192, 8192), (4, 256, 256, 256)] {
-            assert_eq!(resolve(t, shape), Precision::Tf32x3, "{shape:?}");
+            assert_eq!(resolve(t, shape, h100), Precision::Tf32x3, "{shape:?}");
         }
         for shape in [(1, 8192, 8192, 128), (1, 64, 1024, 1024), (1, 511, 511, 4096)] {
-            assert_eq!(resolve(t, shape), Precision::Highest, "{shape:?}");
+            assert_eq!(resolve(t, shape, h100), Precision::Highest, "{shape:?}");
         }
-        assert_eq!(resolve(Precision::Tf32x3Always, (1, 1, 1, 1)), Precision::Tf32x3);
-        assert_eq!(resolve(Precision::Highest, (1, 4096, 4096, 4096)), Precision::Highest);
+        assert_eq!(resolve(Precision::Tf32x3Always, (1, 1, 1, 1), h100), Precision::Tf32x3);
+        assert_eq!(resolve(Precision::Highest, (1, 4096, 4096, 4096), h100), Precision::Highest);
+        // A GPU with 99 KiB of shared memory a block (sm_86, sm_89) cannot run them.
+        for p in [Precision::Tf32x3, Precision::Tf32x3Always] {
+            assert_eq!(resolve(p, (1, 4096, 4096, 4096), 99 * 1024), Precision::Highest);
+        }
     }
 
     #[test]

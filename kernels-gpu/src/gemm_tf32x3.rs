@@ -32,8 +32,10 @@
 //!   K: one 8-byte load instead of two. With the paddings above, these loads (8 rows x 4 lanes
 //!   x 8 bytes) and the single ones of the other layout (lane `(g, t)` reads row `2t` or `2t + 1`,
 //!   column `g`) hit 32 distinct banks.
-//! - Every warp splits the fragments it loads. A fragment is read by 2 or 4 warps, so splitting
-//!   once into shared memory would save ALU work but double the shared-memory space and traffic.
+//! - Every warp splits the fragments it loads, although a fragment is read by 2 or 4 warps:
+//!   splitting each element once into shared memory (hi and lo, then a second barrier a stage)
+//!   measured 17% slower, as the warps of the one block an SM then wait for each other twice a
+//!   stage (benches/NOTES.md, t3).
 //! - Edges: a 16-byte chunk is copied with a source size of 0-16 bytes, the rest zero-filled, so
 //!   any M, N, K work; operands whose rows or batches are not 16-byte aligned are copied 4 bytes
 //!   at a time.

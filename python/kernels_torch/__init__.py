@@ -30,6 +30,21 @@ def cuda_available():
     return _native.cuda_status()[0]
 
 
+def set_float32_matmul_precision(precision, device=0):
+    """How the f32 products of ``kernels_torch.linear`` (and ``nn.Linear``) on CUDA device
+    ``device`` (an index) are computed, for the whole process: ``"highest"`` (f32 FMAs, the
+    default, as PyTorch's default) or ``"tf32x3"``: the tensor cores with f32 accuracy, each
+    operand split into two TF32 parts (relative error against float64 measured at the level of
+    f32 FMAs; PyTorch's own ``"high"`` is plain TF32, about 1000x less exact). Products with a
+    short K or a small output run the FMA kernel either way."""
+    _native.set_f32_matmul_precision(int(device), str(precision))
+
+
+def get_float32_matmul_precision(device=0):
+    """The precision ``set_float32_matmul_precision`` set on device ``device``."""
+    return _native.f32_matmul_precision(int(device))
+
+
 try:
     import torch as _torch  # noqa: F401
 except ImportError as _e:  # the native layer stays usable (CI checks it without PyTorch)
@@ -67,6 +82,7 @@ else:
         "cross_entropy",
         "cuda_available",
         "cuda_status",
+        "get_float32_matmul_precision",
         "gelu",
         "layer_norm",
         "leaky_relu",
@@ -77,6 +93,7 @@ else:
         "relu",
         "rms_norm",
         "scale_bias_act",
+        "set_float32_matmul_precision",
         "sigmoid",
         "silu",
         "softmax",

@@ -14,7 +14,7 @@
 //! exception naming the op.
 
 use kernels::ops::{
-    self, Activation, CrossEntropyOpts, Gemm, NormGrads, NormStats, ReduceOp, Reduction, ScaleBiasActGrads,
+    self, Activation, CrossEntropyOpts, Gemm, NormGrads, NormStats, Precision, ReduceOp, Reduction, ScaleBiasActGrads,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -608,11 +608,40 @@ fn cuda_status(py: Python<'_>) -> (bool, String) {
     })
 }
 
+/// Sets how device `ordinal`'s f32 products (the linear layer's) are computed: `"highest"` (f32
+/// FMAs, the default) or `"tf32x3"` (the tensor cores with f32 accuracy; `Precision::Tf32x3` of
+/// the Rust API). For every caller in the process, as `torch.set_float32_matmul_precision`.
+#[pyfunction]
+fn set_f32_matmul_precision(py: Python<'_>, ordinal: usize, precision: &str) -> PyResult<()> {
+    let p = match precision {
+        "highest" => Precision::Highest,
+        "tf32x3" => Precision::Tf32x3,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "set_f32_matmul_precision: {other:?} is not a precision (\"highest\" or \"tf32x3\")"
+            )));
+        }
+    };
+    py.detach(|| device(ordinal).map(|d| d.set_f32_matmul_precision(p))).map_err(to_py)
+}
+
+/// The precision `set_f32_matmul_precision` set on device `ordinal`.
+#[pyfunction]
+fn f32_matmul_precision(py: Python<'_>, ordinal: usize) -> PyResult<&'static str> {
+    let p = py.detach(|| device(ordinal).map(|d| d.f32_matmul_precision())).map_err(to_py)?;
+    Ok(match p {
+        Precision::Highest => "highest",
+        _ => "tf32x3",
+    })
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PTX_ARCH", kernels::device::PTX_ARCHES.join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(set_f32_matmul_precision, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_matmul_precision, m)?)?;
     m.add_function(wrap_pyfunction!(activation_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(activation_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;

@@ -52,9 +52,11 @@ def randn(*shape, scale=1.0, seed=0):
     return torch.randn(*shape, generator=g, device=DEV) * scale
 
 
-def sum_terms(k: int) -> int:
-    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 512), 4."""
-    return k + k // 512 + 4
+def sum_terms(k: int, tf32x3: bool = False) -> int:
+    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 512), 4.
+    In 3xTF32 (``tests/gemm.rs``): each product off by up to 24 u of itself, the tensor core's
+    truncating additions up to 1.5 k u: ``2 k + s + 32``."""
+    return 2 * k + k // 512 + 32 if tf32x3 else k + k // 512 + 4
 
 
 def act_fwd_tol(act, z, y):
@@ -79,7 +81,7 @@ class Reference:
     """F.linear and the activation in float64 on the f32 inputs, their gradients given dy, and
     the error bounds of the module docstring."""
 
-    def __init__(self, x, w, b, act, dy):
+    def __init__(self, x, w, b, act, dy, tf32x3=False):
         k, out = w.shape[1], w.shape[0]
         xd = x.detach().double().requires_grad_()
         wd = w.detach().double().requires_grad_()
@@ -97,7 +99,7 @@ class Reference:
         s = x2.abs() @ wd.detach().abs().T
         if bd is not None:
             s = s + bd.detach().abs()
-        zerr = sum_terms(k) * U * s
+        zerr = sum_terms(k, tf32x3) * U * s
         self.ytol = (SLOPE[act] * zerr + act_fwd_tol(act, z2, self.y.reshape(-1, out))).reshape(self.y.shape)
         # dz = act'(z) dy, exactly, and its error bound.
         zl = z2.clone().requires_grad_()
@@ -109,8 +111,8 @@ class Reference:
         else:
             dzerr = 0.8 * dy2.abs() * zerr + act_bwd_tol(act, z2, dy2, dz)
         wa, xa = wd.detach().abs(), x2.abs()
-        self.dxtol = (sum_terms(out) * U * dz @ wa + dzerr @ wa).reshape(x.shape)
-        self.dwtol = sum_terms(rows) * U * dz.T @ xa + dzerr.T @ xa
+        self.dxtol = (sum_terms(out, tf32x3) * U * dz @ wa + dzerr @ wa).reshape(x.shape)
+        self.dwtol = sum_terms(rows, tf32x3) * U * dz.T @ xa + dzerr.T @ xa
         self.dbtol = (rows + 4) * U * dz.sum(0) + dzerr.sum(0)
 
 
@@ -129,9 +131,9 @@ def within(what, ours, ref, tol) -> float:
     return (err / tol.clamp_min(1e-300)).max().item() if ref.numel() else 0.0
 
 
-def check_layer(f, x, w, b, act, dy, what):
+def check_layer(f, x, w, b, act, dy, what, tf32x3=False):
     """f(x, w, b) forward and backward against the reference; returns the worst error / bound."""
-    r = Reference(x, w, b, act, dy)
+    r = Reference(x, w, b, act, dy, tf32x3)
     # detach() keeps the storage, offset and strides: views stay views.
     leaves = [t.detach().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
     y = f(*leaves) if b is not None else f(*leaves, None)
@@ -162,6 +164,33 @@ def test_linear_against_float64(act, bias):
         f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
         worst = max(worst, check_layer(f, x, w, b, act, dy, f"{act} {shape} -> {out}"))
     print(f"linear {act} bias={bias}: largest error {worst:.3f} of the bound")
+
+
+def test_linear_tf32x3_against_float64():
+    """With ``set_float32_matmul_precision("tf32x3")`` the layer runs 3xTF32 (on 512 rows x 512
+    outputs, K = 512: big enough for it) within that bound, and differs from the FMA result; set
+    back, it runs FMAs again."""
+    shape, out = (512, 512), 512
+    x = randn(*shape, seed=50)
+    w = randn(out, shape[1], scale=1 / math.sqrt(shape[1]), seed=51)
+    b = randn(out, seed=52)
+    dy = randn(shape[0], out, seed=53)
+    assert kt.get_float32_matmul_precision() == "highest"
+    fma = kt.linear(x, w, b, "gelu")
+    kt.set_float32_matmul_precision("tf32x3")
+    try:
+        assert kt.get_float32_matmul_precision() == "tf32x3"
+        tc = kt.linear(x, w, b, "gelu")
+        for act in ["relu", "gelu"]:
+            f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
+            worst = check_layer(f, x, w, b, act, dy, f"tf32x3 {act}", tf32x3=True)
+            print(f"linear tf32x3 {act}: largest error {worst:.3f} of the bound")
+    finally:
+        kt.set_float32_matmul_precision("highest")
+    assert not torch.equal(fma, tc), "tf32x3 gave the FMA kernel's bits: the setting did not reach the layer"
+    assert torch.equal(kt.linear(x, w, b, "gelu"), fma), "set back to highest, the layer did not run FMAs"
+    with pytest.raises(ValueError, match="not a precision"):
+        kt.set_float32_matmul_precision("high")
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
