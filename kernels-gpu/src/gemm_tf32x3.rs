@@ -79,7 +79,7 @@ pub const TF32X3_KERNELS: [&str; 4] = ["gemm_tf32x3_nn", "gemm_tf32x3_nt", "gemm
 
 /// `x = hi + lo` as the tensor cores take them (TF32 in the bits of an f32). `hi` is `x` rounded
 /// to TF32, to nearest with ties away from zero (`cvt.rna.tf32.f32`, written as integer
-/// arithmetic: two instructions against the five ptxas makes of the `cvt`); `lo = x - hi` is
+/// arithmetic: two instructions against the four ptxas makes of the `cvt`); `lo = x - hi` is
 /// exact, and the tensor core truncates it to TF32 as it reads it (it ignores an operand's low 13
 /// bits), so its error is below 2^-10 of `lo`, i.e. 2^-21 of `x`.
 ///
