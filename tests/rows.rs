@@ -255,6 +255,9 @@ fn softmax_specials(dev: &Device, dt: DType, cols: usize) -> Result<(), String> 
 
 // --- norms ----------------------------------------------------------------------------------------
 
+/// A norm case: `rows` rows of `values` moved by `shift` (2: a mean far from zero, so that
+/// centring matters; 0: rows centred near zero, as transformer activations mostly are).
+#[allow(clippy::too_many_arguments)]
 fn norm_case(
     dev: &Device,
     rows: usize,
@@ -263,11 +266,11 @@ fn norm_case(
     layer: bool,
     affine: bool,
     seed: u64,
+    shift: f32,
 ) -> Result<(), String> {
     let mut rng = TestRng::new(seed);
     let n = rows * cols;
-    // A non-zero mean, so that centring matters.
-    let xs: Vec<f32> = values(&mut rng, n, dt).into_iter().map(|v| round_to(dt, v + 2.0)).collect();
+    let xs: Vec<f32> = values(&mut rng, n, dt).into_iter().map(|v| round_to(dt, v + shift)).collect();
     let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.0 });
     let ws: Vec<f32> = (0..cols).map(|_| round_to(dt, (1.0 + 0.5 * rng.normal()) as f32)).collect();
     let bs: Vec<f32> = (0..cols).map(|_| round_to(dt, rng.normal() as f32)).collect();
@@ -595,8 +598,9 @@ fn main() -> ExitCode {
         tests.push(test(format!("norms/paths/{rows}x{cols}"), move |dev: &Device| {
             for dt in DType::ALL {
                 for layer in [true, false] {
-                    norm_case(dev, rows, cols, dt, layer, true, (rows + cols) as u64)?;
+                    norm_case(dev, rows, cols, dt, layer, true, (rows + cols) as u64, 2.0)?;
                 }
+                norm_case(dev, rows, cols, dt, true, true, (rows * cols) as u64, 0.0)?;
             }
             Ok(())
         }));
@@ -612,9 +616,13 @@ fn main() -> ExitCode {
     for layer in [true, false] {
         let name = if layer { "layer_norm" } else { "rms_norm" };
         tests.push(test(format!("{name}/random_shapes"), move |dev: &Device| {
-            prop(40, (shapes(), dtype(), any::<bool>(), any::<u64>()), |((r, c), dt, affine, seed)| {
-                norm_case(dev, r, c, dt, layer, affine, seed)
-            })
+            prop(
+                40,
+                (shapes(), dtype(), any::<bool>(), any::<u64>(), any::<bool>()),
+                |((r, c), dt, affine, seed, far)| {
+                    norm_case(dev, r, c, dt, layer, affine, seed, if far { 2.0 } else { 0.0 })
+                },
+            )
         }));
     }
     tests.push(test("layer_norm/large_mean", |dev: &Device| {
@@ -657,8 +665,8 @@ fn main() -> ExitCode {
         // More rows than a wave of blocks: the persistent backward's loop and its partial sums.
         let rows = if sanitizer() { 300 } else { 20000 };
         for dt in DType::ALL {
-            norm_case(dev, rows, 64, dt, true, true, 5)?;
-            norm_case(dev, rows, 128, dt, false, true, 6)?;
+            norm_case(dev, rows, 64, dt, true, true, 5, 2.0)?;
+            norm_case(dev, rows, 128, dt, false, true, 6, 2.0)?;
         }
         Ok(())
     }));
@@ -679,7 +687,7 @@ fn main() -> ExitCode {
                         if dev.compute_capability().0 >= 9 && !k.contains(&want) {
                             return Err(format!("{rows}x{cols} {dt:?} runs {k}, not {want}"));
                         }
-                        norm_case(dev, rows, cols, dt, layer, affine, (cols + rows) as u64)?;
+                        norm_case(dev, rows, cols, dt, layer, affine, (cols + rows) as u64, 2.0)?;
                     }
                 }
             }
