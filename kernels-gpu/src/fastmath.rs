@@ -9,12 +9,18 @@
 //! `expf` does. The CPU has no such instruction and keeps `math`'s versions, so on the host these
 //! functions are exactly `math`'s (the CPU tests check formulas, the GPU tests the GPU).
 
-pub use crate::math::{cospi, expm1, fma, log, log1p, pow, sinpi, sqrt, tanh};
+pub use crate::math::{cospi, expm1, fma, log, log1p, pow, recip, sinpi, sqrt, tanh};
 
 /// e^x, <= 2 ulp.
 #[cfg(not(target_arch = "nvptx64"))]
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    crate::math::exp(x)
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+#[inline(always)]
+pub fn exp_with<const FTZ: bool>(x: f32) -> f32 {
     crate::math::exp(x)
 }
 
@@ -34,6 +40,15 @@ const LOG2E_LO: f32 = 1.925_963e-8; // log2(e) - LOG2E
 #[cfg(target_arch = "nvptx64")]
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    exp_with::<true>(x)
+}
+
+/// [`exp`] with the final 2^f by `ex2.approx.ftz` (`FTZ`, one MUFU.EX2) or by `ex2.approx`
+/// (a compare and two predicated multiplies more). Both give the same bits here, since f is
+/// within [-0.51, 0.51]; the second is the code the GEMM epilogue keeps (see `gemm::activate`).
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub fn exp_with<const FTZ: bool>(x: f32) -> f32 {
     // Two independent selects (NaN passes through both). A chained `if / else if` became a
     // branch around the clamp in SASS.
     let xc = if x > 89.0 { 89.0 } else { x };
@@ -44,7 +59,8 @@ pub fn exp(x: f32) -> f32 {
     let t = h + SHIFT;
     let j = t - SHIFT;
     let f = (h - j) + l;
-    let p = crate::prim::ex2_approx(f);
+    // f is within [-0.51, 0.51]: 2^f is never denormal, and the flush changes nothing.
+    let p = if FTZ { crate::prim::ex2_approx_ftz(f) } else { crate::prim::ex2_approx(f) };
     // j as an integer, read from t's low mantissa bits (t is in [2^23, 2^24), where the ulp is
     // 1): an integer subtraction instead of F2I, which issues at a quarter of the FP rate. In
     // [-151, 129]; for a NaN x it is garbage, and p is NaN.
@@ -64,6 +80,13 @@ pub fn exp(x: f32) -> f32 {
 #[cfg(target_arch = "nvptx64")]
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
+    erf_with::<true>(x)
+}
+
+/// [`erf`] with [`exp_with::<FTZ>`](exp_with) in its large branch.
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub fn erf_with<const FTZ: bool>(x: f32) -> f32 {
     let t = x.abs();
     let z = x * x;
     let mut p = 7.806_904e-5;
@@ -82,13 +105,19 @@ pub fn erf(x: f32) -> f32 {
     g = fma(g, u, 4.156_341e-2);
     g = fma(g, u, 8.431_071e-1);
     g = fma(g, u, 2.638_967_5);
-    let large = 1.0 - exp(-fma(u, g, G1));
+    let large = 1.0 - exp_with::<FTZ>(-fma(u, g, G1));
     // NaN takes the small path, which yields NaN; erf is odd, copysign keeps erf(-0) = -0.
     (if t >= 1.0 { large } else { small }).copysign(x)
 }
 
 #[cfg(not(target_arch = "nvptx64"))]
 pub use crate::math::erf;
+
+#[cfg(not(target_arch = "nvptx64"))]
+#[inline(always)]
+pub fn erf_with<const FTZ: bool>(x: f32) -> f32 {
+    crate::math::erf(x)
+}
 
 /// e^x to the accuracy the storage type `T` can show: [`exp`] (<= 2 ulp of f32) for f32, and
 /// for f16 and bf16 the special function unit alone, `ex2.approx(x * log2(e))`: relative error

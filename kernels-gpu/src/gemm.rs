@@ -44,7 +44,7 @@
 //! the `gemm_splitk_reduce` kernel adds the slices in a fixed order and applies the epilogue:
 //! deterministic, unlike atomics.
 
-use crate::ops::{GeluErf, GeluTanh, Relu, Silu, UnaryFn};
+use crate::ops::{GELU_BETA, GELU_KAPPA, Relu, UnaryFn};
 
 /// `(a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, stride_a, stride_b, stride_c,
 /// epilogue)`: for batch `z = blockIdx.z`, `C_z = epi(alpha * op(A_z) @ op(B_z) + beta * C_z +
@@ -114,14 +114,28 @@ pub const SPLITK_REDUCE_KERNEL: &str = "gemm_splitk_reduce";
 /// Threads per block of the split-K reduction.
 pub const SPLITK_THREADS: u32 = 256;
 
-/// The epilogue's activation of `v`.
+/// The epilogue's activation of `v`: the element-wise ops' formulas (`ops::{Relu, GeluErf,
+/// GeluTanh, Silu}::fwd`), giving the same bits, but written here with the code those had
+/// before the ninth session: the exp's 2^f without `.ftz` and the logistic's reciprocal as an
+/// IEEE division. Why: the FMA kernels' epilogue picks the activation per element, and its path
+/// runs through all four activations' code (a 300 KB kernel whose code the 256 MB of C evicts
+/// from L2 at 8192 x 8192 x 128). With the shorter forms of the element-wise kernels,
+/// `sgemm_nn` at 8192 x 8192 x 128 went from 0.43 to 0.49 ms and 1024^3 from 0.066 to 0.071
+/// (the 3xTF32 kernels gained 1-4%); hoisting the choice out of the element made ptxas spill
+/// 12-24 bytes in the main loop. So the epilogue's code is pinned: these kernels' PTX is what
+/// it was when they were last measured (`benches/results-2026-11-24b-h100-gemm.md`).
 #[inline(always)]
 pub fn activate(epi: u32, v: f32) -> f32 {
+    use crate::fastmath::{erf_with, exp_with};
     match epi {
         EPI_RELU => Relu::fwd(v, 0.0, 0.0),
-        EPI_GELU => GeluErf::fwd(v, 0.0, 0.0),
-        EPI_GELU_TANH => GeluTanh::fwd(v, 0.0, 0.0),
-        EPI_SILU => Silu::fwd(v, 0.0, 0.0),
+        EPI_GELU => 0.5 * v * (1.0 + erf_with::<false>(v * core::f32::consts::FRAC_1_SQRT_2)),
+        EPI_GELU_TANH => {
+            let inner = GELU_BETA * (v + GELU_KAPPA * v * v * v);
+            let y = v / (1.0 + exp_with::<false>(-2.0 * inner));
+            if v == f32::NEG_INFINITY { f32::NAN } else { y }
+        }
+        EPI_SILU => v * (1.0 / (1.0 + exp_with::<false>(-v))),
         _ => v,
     }
 }

@@ -57,6 +57,46 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     core::f32::math::mul_add(a, b, c)
 }
 
+/// `1 / d` for `d >= 2^-62` (including `+inf`; NaN gives NaN), as `div.rn` gives it, without a
+/// branch: bit for bit where the result is normal (`d <= 2^126`), and within one ulp of a
+/// denormal result beyond (rounded twice).
+///
+/// Why: `1.0 / d` is `rcp.rn.f32`, which ptxas expands into MUFU.RCP, one Newton step and a
+/// range check that branches to a slow path for denormal results. The branch splits each
+/// element's code into its own region, so the elements a thread holds (4 to 16) are computed
+/// one after another instead of interleaved; at small sizes, where one warp an SM sub-partition
+/// runs, that latency is the kernel's time. Here `d` is scaled by 2^-64 (exact), which keeps it
+/// and its reciprocal in the fast path's range, and `+inf` is clamped to 2^127, whose flushed
+/// reciprocal rounds to the 0 that `1 / inf` is. The Newton step is ptxas's own.
+#[inline(always)]
+pub fn recip(d: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        const TWO_M64: f32 = f32::from_bits(0x1f80_0000); // 2^-64
+        const TWO_127: f32 = f32::from_bits(0x7f00_0000); // 2^127
+        let ds = crate::prim::min_nan(d * TWO_M64, TWO_127);
+        let r = crate::prim::rcp_approx_ftz(ds);
+        fma(r, fma(-ds, r, 1.0), r) * TWO_M64
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        1.0 / d
+    }
+}
+
+/// `if c { a } else { b }` with both computed: on the GPU one `selp` (see `prim::select_f32`).
+#[inline(always)]
+fn select(c: bool, a: f32, b: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        crate::prim::select_f32(c, a, b)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        if c { a } else { b }
+    }
+}
+
 /// Correctly rounded square root (`sqrt.rn.f32` on the GPU).
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
@@ -251,15 +291,12 @@ pub fn log(x: f32) -> f32 {
     let f = m - 1.0;
     let ef = e as f32 - if tiny { 23.0 } else { 0.0 };
     let r = log_finish(ef, f, log1p_tail(f));
-    if x == 0.0 {
-        f32::NEG_INFINITY
-    } else if x < 0.0 {
-        f32::NAN
-    } else if x == f32::INFINITY || x.is_nan() {
-        x
-    } else {
-        r
-    }
+    // Independent selects, the last one taking precedence: as a chained `if / else if`, LLVM
+    // computed `r` inside a branch, and on the GPU each element's branch kept the elements a
+    // thread holds from being computed together (the same result either way).
+    let r = if x == f32::INFINITY || x.is_nan() { x } else { r };
+    let r = if x < 0.0 { f32::NAN } else { r };
+    if x == 0.0 { f32::NEG_INFINITY } else { r }
 }
 
 /// log(1 + x), accurate for small |x|.
@@ -331,13 +368,14 @@ pub fn tanh(x: f32) -> f32 {
     // 2 / (2^n (uh + ul)) = q + (rem - q ul) / uh, with q = num / uh rounded, rem its exact
     // remainder and 1/uh = q 2^(n-1) to first order.
     let num = pow2i(1i32.wrapping_sub(n));
-    let q = num / uh;
+    // num is a power of two: num / uh = num * (1 / uh) exactly, without the division's branch.
+    let q = num * recip(uh);
     let dq = (fma(-q, uh, num) - q * ul) * (q * pow2i(n.wrapping_sub(1)));
     let (h, l) = fast_two_sum(1.0, -q);
     let large = h + (l - dq);
     // NaN takes the large path, which yields NaN. tanh is odd: copysign also gives tanh(-0) = -0,
     // which x + x^3 P would round to +0.
-    (if ax < 0.55 { small } else { large }).copysign(x)
+    select(ax < 0.55, small, large).copysign(x)
 }
 
 /// Error function.

@@ -51,7 +51,7 @@ fn abs(x: f32) -> f32 {
 
 #[inline(always)]
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + math::exp(-x))
+    math::recip(1.0 + math::exp(-x))
 }
 
 macro_rules! unary {
@@ -195,7 +195,7 @@ impl UnaryFn for Sigmoid {
 // result is g * 0 (NaN for infinite g), as PyTorch's g (1 - 1).
 unary!(Tanh, |x, a, b| math::tanh(x), |x, g, a, b| {
     let e = math::exp(-2.0 * abs(x));
-    let s = 1.0 / (1.0 + e);
+    let s = math::recip(1.0 + e);
     g * (4.0 * e * s * s)
 });
 const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
@@ -227,8 +227,8 @@ impl UnaryFn for GeluErf {
     }
 }
 // sqrt(2/pi) and the cubic coefficient of the tanh approximation, as PyTorch's kBeta, kKappa.
-const GELU_BETA: f32 = 0.797_884_6;
-const GELU_KAPPA: f32 = 0.044_715;
+pub const GELU_BETA: f32 = 0.797_884_6;
+pub const GELU_KAPPA: f32 = 0.044_715;
 unary!(
     GeluTanh,
     // 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^-2u): one exp and a division instead of
@@ -255,7 +255,7 @@ unary!(
         // min, not a branch: a select costs less than a divergent branch in a stream of
         // random signs (0.958x PyTorch with the branch). NaN x passes through `x` below.
         let e = math::exp(if m > 88.0 { 88.0 } else { m });
-        let s = 1.0 / (1.0 + e);
+        let s = math::recip(1.0 + e);
         let du = GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * x2);
         let d = g * s * (1.0 + 2.0 * x * (e * s) * du);
         if x == f32::NEG_INFINITY { f32::NAN } else { d }
@@ -302,7 +302,7 @@ fn mish_parts(x: f32) -> (f32, f32) {
     // below x = 20, no overflow): a division costs about as much as the exp, and the backward
     // ran at 0.95x PyTorch with two.
     let (dt, ds) = (n + 2.0, 1.0 + e);
-    let r = 1.0 / (dt * ds);
+    let r = math::recip(dt * ds);
     (n * ds * r, e * dt * r)
 }
 unary!(Mish, |x, a, b| if x >= 20.0 { x } else { x * mish_t(x) }, |x, g, a, b| {
@@ -326,7 +326,7 @@ unary!(Mish, |x, a, b| if x >= 20.0 { x } else { x * mish_t(x) }, |x, g, a, b| {
 #[inline(always)]
 fn softplus_unit(z: f32) -> f32 {
     let t = math::exp(-abs(z));
-    let tr = t * (2.0 / (2.0 + t));
+    let tr = t * (2.0 * math::recip(2.0 + t));
     let s = tr * 0.5;
     let s2 = s * s;
     let q = math::fma(

@@ -632,8 +632,10 @@ pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
-/// 2^x by the special function unit (`ex2.approx.f32`, MUFU.EX2): relative error about 2^-22 on
-/// [-1/2, 1/2], where `fastmath::exp` uses it. Denormals are not flushed (no `.ftz`).
+/// 2^x by the special function unit (`ex2.approx.f32`, MUFU.EX2): relative error about 2^-22.
+/// Denormals are not flushed (no `.ftz`; below -126 that costs a compare and two predicated
+/// multiplies): for `fastmath::exp_for`'s f16/bf16 exp, whose results may be denormal, and the
+/// GEMM epilogue's pinned `fastmath::exp_with::<false>`.
 #[inline(always)]
 pub fn ex2_approx(x: f32) -> f32 {
     let y: f32;
@@ -672,6 +674,22 @@ pub fn ex2_approx_ftz(x: f32) -> f32 {
              options(pure, nomem, nostack, preserves_flags));
     }
     y
+}
+
+/// `if c { a } else { b }` as one `selp`, with both operands computed first. For a select whose
+/// operands are long computations: LLVM turns such a select into a branch around the one it
+/// takes, and on the GPU that branch keeps the elements a thread holds from being computed
+/// together.
+#[inline(always)]
+pub fn select_f32(c: bool, a: f32, b: f32) -> f32 {
+    let r: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {c}, 0; selp.f32 {r}, {a}, {b}, p; }}",
+             r = out(reg32) r, c = in(reg32) c as u32, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    r
 }
 
 /// `max(a, b)`, NaN if either is NaN (`max.NaN.f32`, sm_80+: one instruction where a compare
