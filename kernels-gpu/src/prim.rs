@@ -676,22 +676,6 @@ pub fn ex2_approx_ftz(x: f32) -> f32 {
     y
 }
 
-/// `if c { a } else { b }` as one `selp`, with both operands computed first. For a select whose
-/// operands are long computations: LLVM turns such a select into a branch around the one it
-/// takes, and on the GPU that branch keeps the elements a thread holds from being computed
-/// together.
-#[inline(always)]
-pub fn select_f32(c: bool, a: f32, b: f32) -> f32 {
-    let r: f32;
-    // SAFETY: pure register operation.
-    unsafe {
-        asm!("{{ .reg .pred p; setp.ne.u32 p, {c}, 0; selp.f32 {r}, {a}, {b}, p; }}",
-             r = out(reg32) r, c = in(reg32) c as u32, a = in(reg32) a, b = in(reg32) b,
-             options(pure, nomem, nostack, preserves_flags));
-    }
-    r
-}
-
 /// `max(a, b)`, NaN if either is NaN (`max.NaN.f32`, sm_80+: one instruction where a compare
 /// and select would take three).
 #[inline(always)]
