@@ -125,6 +125,8 @@ fn cases() -> Vec<Case> {
         ("sqrt", UnaryOp::Sqrt),
         ("rsqrt", UnaryOp::Rsqrt),
         ("pow", UnaryOp::Pow(3.0)),
+        // The general path (log2 and exp2 in double f32); 2 and 3 are multiplications.
+        ("pow_frac", UnaryOp::Pow(2.5)),
         ("clamp", UnaryOp::Clamp { min: -0.5, max: 0.5 }),
         ("add_scalar", UnaryOp::AddScalar(1.5)),
         ("sub_scalar", UnaryOp::SubScalar(1.5)),

@@ -33,7 +33,7 @@ dev = "cuda"
 COLS = 1024
 SIZES = [1 << 28, 1 << 16]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "pow"}
+POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "pow", "pow_frac"}
 
 g_ = torch.Generator(device=dev).manual_seed(0)
 
@@ -73,6 +73,7 @@ UNARY = {
     "sqrt": (torch.sqrt, None),
     "rsqrt": (torch.rsqrt, None),
     "pow": (lambda x: torch.pow(x, 3.0), None),
+    "pow_frac": (lambda x: torch.pow(x, 2.5), None),
     "clamp": (lambda x: torch.clamp(x, -0.5, 0.5), None),
     "add_scalar": (lambda x: x + 1.5, None),
     "sub_scalar": (lambda x: x - 1.5, None),

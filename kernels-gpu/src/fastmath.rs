@@ -9,7 +9,7 @@
 //! `expf` does. The CPU has no such instruction and keeps `math`'s versions, so on the host these
 //! functions are exactly `math`'s (the CPU tests check formulas, the GPU tests the GPU).
 
-pub use crate::math::{cospi, expm1, fma, log, log1p, pow, recip, sinpi, sqrt, tanh};
+pub use crate::math::{cospi, expm1, fma, log, log1p, pow, recip, rsqrt, sinpi, sqrt, tanh};
 
 /// e^x, <= 2 ulp.
 #[cfg(not(target_arch = "nvptx64"))]

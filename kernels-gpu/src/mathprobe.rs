@@ -22,10 +22,12 @@ pub enum MathFn {
     NormalCdf = 9,
     /// `fastmath::normal_pdf`, GELU's backward phi (likewise).
     NormalPdf = 10,
+    /// `1 / sqrt(x)` (`fastmath::rsqrt`).
+    Rsqrt = 11,
 }
 
 impl MathFn {
-    pub const ALL: [MathFn; 11] = [
+    pub const ALL: [MathFn; 12] = [
         MathFn::Exp,
         MathFn::Expm1,
         MathFn::Log,
@@ -37,6 +39,7 @@ impl MathFn {
         MathFn::Sqrt,
         MathFn::NormalCdf,
         MathFn::NormalPdf,
+        MathFn::Rsqrt,
     ];
 
     /// The function as the kernels call it (`crate::fastmath`: on the CPU, `crate::math`).
@@ -55,6 +58,7 @@ impl MathFn {
             MathFn::Sqrt => m::sqrt(x),
             MathFn::NormalCdf => m::normal_cdf(x),
             MathFn::NormalPdf => m::normal_pdf(x),
+            MathFn::Rsqrt => m::rsqrt(x),
         }
     }
 }
@@ -72,7 +76,8 @@ unsafe fn probe(x: *const f32, y: *mut f32, n: u64, which: u32) {
         7 => MathFn::Cospi,
         8 => MathFn::Sqrt,
         9 => MathFn::NormalCdf,
-        _ => MathFn::NormalPdf,
+        10 => MathFn::NormalPdf,
+        _ => MathFn::Rsqrt,
     };
     let mut i = crate::prim::global_thread_x();
     while i < n {

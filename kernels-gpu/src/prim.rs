@@ -661,6 +661,20 @@ pub fn rcp_approx_ftz(x: f32) -> f32 {
     y
 }
 
+/// 1/sqrt(x) by the special function unit with denormal inputs flushed to zero
+/// (`rsqrt.approx.ftz.f32`, MUFU.RSQ): relative error about 2^-23. `+0`/`-0` give `+inf`/`-inf`,
+/// `+inf` gives `+0`, a negative `x` NaN. For `math::rsqrt`, which scales denormals first.
+#[inline(always)]
+pub fn rsqrt_approx_ftz(x: f32) -> f32 {
+    let y: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("rsqrt.approx.ftz.f32 {y}, {x};", y = out(reg32) y, x = in(reg32) x,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    y
+}
+
 /// 2^x by the special function unit with denormal inputs and results flushed to zero
 /// (`ex2.approx.ftz.f32`): one MUFU.EX2, where the form without `.ftz` adds a compare and two
 /// predicated multiplies to reach the denormal range. For callers whose result cannot usefully
