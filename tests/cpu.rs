@@ -10,7 +10,7 @@ use kernels_gpu::elementwise::{
 };
 use kernels_gpu::init::{FillArgs, RandomArgs, fill_kernel, normal_kernel, uniform_kernel};
 use kernels_gpu::kernel::Params;
-use kernels_gpu::mathprobe::MathProbeArgs;
+use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
 use kernels_gpu::ops::{Activation, Binary, Unary};
 use kernels_gpu::{BF16, F16};
 use std::collections::BTreeMap;
@@ -99,6 +99,7 @@ fn host_kernels() -> BTreeMap<String, usize> {
         put(normal_kernel(dt), rnd);
     }
     m.insert("math_probe_f32".into(), arity::<MathProbeArgs>());
+    m.insert(MATH_PROBE_POW.into(), arity::<MathProbePowArgs>());
     // The row families list their own (softmax, norms, cross-entropy, reductions, transpose).
     for (name, n) in kernels::ops::row_family_kernels() {
         assert!(m.insert(name.clone(), n).is_none(), "`{name}` listed twice");

@@ -10,9 +10,11 @@
 //! flushed to 0 below.
 
 mod common;
+#[path = "../kernels-gpu/tests/support/pow_pairs.rs"]
+mod pow_pairs;
 
 use common::*;
-use kernels::ops::mathprobe::{MathFn, math_probe};
+use kernels::ops::mathprobe::{MathFn, math_probe, math_probe_pow};
 use kernels::{Device, Tensor};
 use std::process::ExitCode;
 
@@ -175,7 +177,70 @@ fn sweep(dev: &Device, f: MathFn) -> Result<(), String> {
     Ok(())
 }
 
+/// The kernels' pow (`fastmath::pow`) over the (x, y) pairs of the CPU test (`pow_pairs.rs`:
+/// dense x against a list of y, x near 1 with huge y, random pairs over the whole result range,
+/// negative x with integer y, random bit patterns), against f64 libm, within [`MAX_ULP`]. The CPU
+/// build of the same function takes a correctly rounded reciprocal where the GPU takes MUFU.RCP's
+/// estimate; the count of results whose bits differ says how often that shows.
+fn sweep_pow(dev: &Device) -> Result<(), String> {
+    let mut pairs = pow_pairs::pow_pairs();
+    if sanitizer() {
+        pairs = pairs.into_iter().step_by(997).collect();
+    }
+    let mut worst = (0.0f64, 0.0f32, 0.0f32);
+    let mut differ_from_cpu = 0usize;
+    for chunk in pairs.chunks(1 << 24) {
+        let (xs, ys): (Vec<f32>, Vec<f32>) = chunk.iter().copied().unzip();
+        let x = Tensor::from_slice(dev, &xs, &[xs.len()]).map_err(e)?;
+        let y = Tensor::from_slice(dev, &ys, &[ys.len()]).map_err(e)?;
+        let got = math_probe_pow(&x, &y).map_err(e)?.to_vec::<f32>().map_err(e)?;
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let per = chunk.len().div_ceil(threads);
+        let results: Vec<((f64, f32, f32), usize)> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunk
+                .chunks(per)
+                .zip(got.chunks(per))
+                .map(|(pc, gc)| {
+                    s.spawn(move || {
+                        let mut w = (0.0f64, 0.0f32, 0.0f32);
+                        let mut d = 0;
+                        for (&(x, y), &g) in pc.iter().zip(gc) {
+                            let err = ulp_error(g, libm::pow(x as f64, y as f64));
+                            if err > w.0 {
+                                w = (err, x, y);
+                            }
+                            let c = kernels_gpu::fastmath::pow(x, y);
+                            if c.to_bits() != g.to_bits() && !(c.is_nan() && g.is_nan()) {
+                                d += 1;
+                            }
+                        }
+                        (w, d)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (w, d) in results {
+            if w.0 > worst.0 {
+                worst = w;
+            }
+            differ_from_cpu += d;
+        }
+    }
+    let (err, x, y) = worst;
+    println!(
+        "Pow: {} pairs, max error {err:.3} ulp (bound {MAX_ULP}) at x = {x:e}, y = {y:e}; {differ_from_cpu} results differ in bits from the CPU build",
+        pairs.len()
+    );
+    if err > MAX_ULP {
+        return Err(format!("Pow: {err:.3} ulp at x = {x:e}, y = {y:e}"));
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    let tests = MathFn::ALL.iter().map(|&f| test(format!("math/{f:?}"), move |dev: &Device| sweep(dev, f))).collect();
+    let mut tests: Vec<_> =
+        MathFn::ALL.iter().map(|&f| test(format!("math/{f:?}"), move |dev: &Device| sweep(dev, f))).collect();
+    tests.push(test("math/Pow".to_string(), sweep_pow));
     run(tests)
 }

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 pub use kernels_gpu::mathprobe::MathFn;
-use kernels_gpu::mathprobe::MathProbeArgs;
+use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
 
 /// `f(x)` for an f32 tensor, computed on the GPU by the library's own math.
 pub fn math_probe(x: &Tensor, f: MathFn) -> Result<Tensor> {
@@ -25,4 +25,27 @@ pub fn math_probe(x: &Tensor, f: MathFn) -> Result<Tensor> {
     // SAFETY: x and y hold n f32 values.
     unsafe { dev.launch(kernel, cfg, args) }?;
     Ok(y)
+}
+
+/// `x^y` elementwise for f32 tensors of one shape, computed on the GPU by the pow the kernels run
+/// (`fastmath::pow`), with a per-element exponent (the `pow` op's is a scalar).
+pub fn math_probe_pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let op = "math_probe_pow";
+    for t in [x, y] {
+        if t.dtype() != DType::F32 {
+            return Err(Error::DTypeMismatch { op, expected: DType::F32, got: t.dtype() });
+        }
+    }
+    super::check_same_device(op, x, y)?;
+    super::check_same_shape(op, x, y, "one exponent per base")?;
+    let mut out = x.alloc_like(op)?;
+    let dev = x.device();
+    let n = x.numel() as u64;
+    let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(MATH_PROBE_POW)?) else {
+        return Ok(out);
+    };
+    let args: MathProbePowArgs = (x.dev_ptr(), y.dev_ptr(), out.dev_ptr_mut()?, n);
+    // SAFETY: x, y and out hold n f32 values each.
+    unsafe { dev.launch(MATH_PROBE_POW, cfg, args) }?;
+    Ok(out)
 }

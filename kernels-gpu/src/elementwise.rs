@@ -17,7 +17,7 @@ use crate::dtype::Elem;
 #[cfg(target_arch = "nvptx64")]
 use crate::dtype::for_lanes;
 #[cfg(target_arch = "nvptx64")]
-use crate::ops::{BinaryFn, UnaryFn, bwd_for, fwd_for};
+use crate::ops::{BinaryFn, UnaryFn, bwd_for, bwd_form_for, fwd_for, fwd_form_for};
 
 /// `y[i] = op(x[i]; a, b)` for `i < n`. `y == x` is allowed (in place).
 pub type UnaryFwdArgs<T> = (*const T, *mut T, u64, f32, f32);
@@ -149,7 +149,20 @@ mod device {
     // SAFETY (all four kernels below): the host passes tensors of `n` elements; `grid_stride`
     // hands out offsets of whole vectors below `n` and tail indices below `n`.
 
+    /// One loop per form of the op (`UnaryFn::FORMS`): the launch's form is one uniform branch
+    /// here, not one per element.
     pub unsafe fn unary_fwd<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
+        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
+        // SAFETY (both): the caller's contract. An op of one form instantiates one loop.
+        if O::FORMS == 1 {
+            unsafe { unary_fwd_in::<T, O, 0>(x, y, n, a, b) }
+        } else {
+            crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_in::<T, O, F>(x, y, n, a, b) })
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
         unsafe {
             grid_stride::<T, _>(
@@ -160,17 +173,35 @@ mod device {
                 |o, mut v| {
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| v[k] = fwd_for::<O, T>(v[k], a, b),
+                        |k| v[k] = fwd_form_for::<O, T, F>(v[k], a, b),
                     );
                     store(y.add(o), &v);
                 },
                 #[inline(always)]
-                |i| *y.add(i) = T::from_f32(fwd_for::<O, T>((*x.add(i)).to_f32(), a, b)),
+                |i| *y.add(i) = T::from_f32(fwd_form_for::<O, T, F>((*x.add(i)).to_f32(), a, b)),
             )
         }
     }
 
     pub unsafe fn unary_bwd<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
+        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
+        // SAFETY (both): the caller's contract.
+        if O::FORMS == 1 {
+            unsafe { unary_bwd_in::<T, O, 0>(x, g, gx, n, a, b) }
+        } else {
+            crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_in::<T, O, F>(x, g, gx, n, a, b) })
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn unary_bwd_in<T: Elem, O: UnaryFn, const F: u32>(
+        x: *const T,
+        g: *const T,
+        gx: *mut T,
+        n: u64,
+        a: f32,
+        b: f32,
+    ) {
         let in_place = g as u64 == gx as u64;
         unsafe {
             grid_stride::<T, _>(
@@ -181,12 +212,12 @@ mod device {
                 |o, (vx, mut vg)| {
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| vg[k] = bwd_for::<O, T>(vx[k], vg[k], a, b),
+                        |k| vg[k] = bwd_form_for::<O, T, F>(vx[k], vg[k], a, b),
                     );
                     store(gx.add(o), &vg);
                 },
                 #[inline(always)]
-                |i| *gx.add(i) = T::from_f32(bwd_for::<O, T>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
+                |i| *gx.add(i) = T::from_f32(bwd_form_for::<O, T, F>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
             )
         }
     }

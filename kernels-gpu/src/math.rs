@@ -628,13 +628,22 @@ fn exp2_ext(ph: f32, pl: f32) -> f32 {
 /// |x| > 1; pow(-inf, y) = pow(-0, -y); pow(+inf, y) = +inf for y > 0, +0 for y < 0.
 #[inline]
 pub fn pow(x: f32, y: f32) -> f32 {
-    let ax = x.abs();
-    let ay = y.abs();
-    let (lh, ll) = log2_ext(ax);
+    let (lh, ll) = log2_ext(x.abs());
     let ph = y * lh;
     let pl = fma(y, lh, -ph) + y * ll;
     let r = exp2_ext(ph, pl);
+    pow_special_y(x, y, pow_special_x(x, y, r))
+}
 
+/// pow's result for finite `y != 0`, given `r`, |x|^y as the main path computes it for finite
+/// nonzero `x`: the sign ((-1)^y for negative x and odd integer y), NaN for negative x and
+/// non-integer y, the table's values at `x = +-0` and `+-inf`, NaN for NaN `x`. Shared with
+/// `fastmath::pow`. Every test on `y` alone is the same for a whole kernel launch when `y` is a
+/// kernel parameter, so the compiler hoists it out of the element loop.
+#[inline(always)]
+pub(crate) fn pow_special_x(x: f32, y: f32, r: f32) -> f32 {
+    let ax = x.abs();
+    let ay = y.abs();
     // Every f32 of magnitude >= 2^24 is an even integer; below, `as i32` is exact on integers.
     let yi = y as i32;
     let y_int = ay >= 16777216.0 || yi as f32 == y;
@@ -649,7 +658,18 @@ pub fn pow(x: f32, y: f32) -> f32 {
         let mag = if (ax == 0.0) == (y < 0.0) { f32::INFINITY } else { 0.0 };
         res = if neg && y_odd { -mag } else { mag };
     }
-    if ay == f32::INFINITY {
+    if x.is_nan() {
+        res = x + y;
+    }
+    res
+}
+
+/// pow's special values of `y` (`+-0`, `+-inf`, NaN) and `pow(1, y) = 1`, applied over
+/// [`pow_special_x`]'s result `res`.
+#[inline(always)]
+pub(crate) fn pow_special_y(x: f32, y: f32, mut res: f32) -> f32 {
+    let ax = x.abs();
+    if y.abs() == f32::INFINITY {
         res = if ax == 1.0 {
             1.0
         } else if (ax < 1.0) == (y < 0.0) {

@@ -4,6 +4,10 @@
 
 /// `(x, y, n, which)`: `y[i] = f(x[i])` with `f` chosen by `which` ([`MathFn`] as u32).
 pub type MathProbeArgs = (*const f32, *mut f32, u64, u32);
+/// `(x, y, out, n)`: `out[i] = fastmath::pow(x[i], y[i])`, the pow the kernels run.
+pub type MathProbePowArgs = (*const f32, *const f32, *mut f32, u64);
+/// The pow probe's kernel name.
+pub const MATH_PROBE_POW: &str = "math_probe_pow_f32";
 
 /// The functions the probe evaluates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,3 +92,15 @@ unsafe fn probe(x: *const f32, y: *mut f32, n: u64, which: u32) {
 }
 
 crate::kernel!(math_probe_f32: MathProbeArgs = |x, y, n, which| probe(x, y, n, which));
+
+#[cfg(target_arch = "nvptx64")]
+unsafe fn probe_pow(x: *const f32, y: *const f32, out: *mut f32, n: u64) {
+    let mut i = crate::prim::global_thread_x();
+    while i < n {
+        // SAFETY: i < n, the length of all three buffers.
+        unsafe { *out.add(i as usize) = crate::fastmath::pow(*x.add(i as usize), *y.add(i as usize)) };
+        i += crate::prim::grid_threads_x();
+    }
+}
+
+crate::kernel!(math_probe_pow_f32: MathProbePowArgs = |x, y, out, n| probe_pow(x, y, out, n));

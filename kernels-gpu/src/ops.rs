@@ -23,6 +23,67 @@ pub trait UnaryFn {
     fn bwd_half(x: f32, g: f32, a: f32, b: f32) -> f32 {
         Self::bwd(x, g, a, b)
     }
+    /// Forms: an op whose formula depends on its scalar parameters alone (pow's exponent: a
+    /// multiplication for 2 and 3, the general path otherwise), which are the same for a whole
+    /// launch, names that formula once per launch with `fwd_form` / `bwd_form` (a number below
+    /// `FORMS`), and the kernel runs one loop per form with `fwd_in::<F>` / `bwd_in::<F>`, so
+    /// no element branches on the parameters (a branch splits a thread's elements apart: see
+    /// `math::recip`). `fwd` must equal `fwd_in::<fwd_form(a, b)>` (likewise `bwd`), and an op
+    /// with forms computes f16/bf16 storage with them too (`fwd_half` is not called).
+    const FORMS: u32 = 1;
+    #[inline(always)]
+    fn fwd_form(_a: f32, _b: f32) -> u32 {
+        0
+    }
+    #[inline(always)]
+    fn bwd_form(_a: f32, _b: f32) -> u32 {
+        0
+    }
+    #[inline(always)]
+    fn fwd_in<const F: u32>(x: f32, a: f32, b: f32) -> f32 {
+        Self::fwd(x, a, b)
+    }
+    #[inline(always)]
+    fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, b: f32) -> f32 {
+        Self::bwd(x, g, a, b)
+    }
+}
+
+/// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`] spells out this many arms.
+pub const MAX_FORMS: u32 = 6;
+
+/// Evaluates `$body` with the constant `$F` equal to the form `$f` (below [`MAX_FORMS`]): the
+/// one runtime branch that turns a launch's form into a type-level constant.
+#[macro_export]
+macro_rules! by_form {
+    ($f:expr, $F:ident => $body:expr) => {
+        match $f {
+            0 => {
+                const $F: u32 = 0;
+                $body
+            }
+            1 => {
+                const $F: u32 = 1;
+                $body
+            }
+            2 => {
+                const $F: u32 = 2;
+                $body
+            }
+            3 => {
+                const $F: u32 = 3;
+                $body
+            }
+            4 => {
+                const $F: u32 = 4;
+                $body
+            }
+            _ => {
+                const $F: u32 = 5;
+                $body
+            }
+        }
+    };
 }
 
 /// `O::fwd` for storage type `T`: `fwd_half` for f16 and bf16.
@@ -35,6 +96,18 @@ pub fn fwd_for<O: UnaryFn, T: crate::Elem>(x: f32, a: f32, b: f32) -> f32 {
 #[inline(always)]
 pub fn bwd_for<O: UnaryFn, T: crate::Elem>(x: f32, g: f32, a: f32, b: f32) -> f32 {
     if T::DTYPE == crate::DType::F32 { O::bwd(x, g, a, b) } else { O::bwd_half(x, g, a, b) }
+}
+
+/// [`fwd_for`] in form `F` (see [`UnaryFn::FORMS`]).
+#[inline(always)]
+pub fn fwd_form_for<O: UnaryFn, T: crate::Elem, const F: u32>(x: f32, a: f32, b: f32) -> f32 {
+    if O::FORMS > 1 { O::fwd_in::<F>(x, a, b) } else { fwd_for::<O, T>(x, a, b) }
+}
+
+/// [`bwd_for`] in form `F`.
+#[inline(always)]
+pub fn bwd_form_for<O: UnaryFn, T: crate::Elem, const F: u32>(x: f32, g: f32, a: f32, b: f32) -> f32 {
+    if O::FORMS > 1 { O::bwd_in::<F>(x, g, a, b) } else { bwd_for::<O, T>(x, g, a, b) }
 }
 
 /// A binary op on two tensors of one shape (or a tensor and a broadcast row).
@@ -131,27 +204,81 @@ unary!(Rsqrt, |x, a, b| math::rsqrt(x), |x, g, a, b| {
     let r = math::rsqrt(x);
     -0.5 * (((g * r) * r) * r)
 });
-// PyTorch's pow_backward, grad * (p * x^(p - 1)), in its order; exponent 0 gives a zero gradient
-// even where x^-1 is infinite.
-unary!(Pow, |x, a, b| pow_scalar(x, a), |x, g, a, b| if a == 0.0 { 0.0 } else { g * (a * pow_scalar(x, a - 1.0)) });
+/// x^p for a scalar p, in six forms chosen once per launch ([`UnaryFn::FORMS`]): the exponents
+/// PyTorch also special-cases by multiplication (x x and (x x) x, within 1 ulp and C99's pow at
+/// zeros, infinities and NaN; x; 1 / x), the general path `fastmath::pow_finite_y` for any other
+/// finite nonzero p (<= 2 ulp), and the full `fastmath::pow` for p = +-0, +-inf and NaN, whose
+/// special values it alone handles. Backward: PyTorch's pow_backward, grad * (p * x^(p - 1)), in
+/// its order, with the form of p - 1; exponent 0 gives a zero gradient even where x^-1 is
+/// infinite.
+pub struct Pow;
 
-/// x^p with the exponents PyTorch also special-cases done by multiplication (the branch is
-/// uniform: p is a kernel parameter). x x and (x x) x are within 1 ulp and agree with C99 pow on
-/// zeros, infinities and NaN; everything else goes to the general `pow`.
+const POW_GENERAL: u32 = 0;
+const POW_SQUARE: u32 = 1;
+const POW_CUBE: u32 = 2;
+const POW_ONE: u32 = 3;
+const POW_RECIPROCAL: u32 = 4;
+const POW_SPECIAL: u32 = 5;
+
+/// pow's form for exponent `p`.
 #[inline(always)]
-fn pow_scalar(x: f32, p: f32) -> f32 {
+fn pow_form(p: f32) -> u32 {
     if p == 2.0 {
-        x * x
+        POW_SQUARE
     } else if p == 3.0 {
-        (x * x) * x
+        POW_CUBE
     } else if p == 1.0 {
-        x
+        POW_ONE
     } else if p == -1.0 {
-        1.0 / x
+        POW_RECIPROCAL
+    } else if p.is_finite() && p != 0.0 {
+        POW_GENERAL
     } else {
-        math::pow(x, p)
+        POW_SPECIAL
     }
 }
+
+/// x^p in form `F`, which must be `pow_form(p)`.
+#[inline(always)]
+fn pow_in<const F: u32>(x: f32, p: f32) -> f32 {
+    match F {
+        POW_SQUARE => x * x,
+        POW_CUBE => (x * x) * x,
+        POW_ONE => x,
+        POW_RECIPROCAL => 1.0 / x,
+        POW_GENERAL => math::pow_finite_y(x, p),
+        _ => math::pow(x, p),
+    }
+}
+
+impl UnaryFn for Pow {
+    const FORMS: u32 = 6;
+    #[inline(always)]
+    fn fwd_form(a: f32, _: f32) -> u32 {
+        pow_form(a)
+    }
+    #[inline(always)]
+    fn bwd_form(a: f32, _: f32) -> u32 {
+        pow_form(a - 1.0)
+    }
+    #[inline(always)]
+    fn fwd_in<const F: u32>(x: f32, a: f32, _: f32) -> f32 {
+        pow_in::<F>(x, a)
+    }
+    #[inline(always)]
+    fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, _: f32) -> f32 {
+        if a == 0.0 { 0.0 } else { g * (a * pow_in::<F>(x, a - 1.0)) }
+    }
+    #[inline(always)]
+    fn fwd(x: f32, a: f32, b: f32) -> f32 {
+        crate::by_form!(pow_form(a), F => Self::fwd_in::<F>(x, a, b))
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, a: f32, b: f32) -> f32 {
+        crate::by_form!(pow_form(a - 1.0), F => Self::bwd_in::<F>(x, g, a, b))
+    }
+}
+
 // min(max(x, lo), hi) with NaN propagated; gradient passes on [lo, hi], bounds included.
 unary!(
     Clamp,

@@ -9,6 +9,9 @@
 //! `cargo test -p kernels-gpu --test math_accuracy -- --nocapture` prints the table.
 
 use kernels_gpu::math;
+#[path = "support/pow_pairs.rs"]
+mod pow_pairs;
+use pow_pairs::{Rng, around, pow_pairs};
 use std::f64::consts::PI;
 
 /// |got - reference| in units of the f32 ulp at `reference` (the spacing of the f32 values
@@ -137,20 +140,6 @@ fn common_extra() -> Vec<f32> {
     v
 }
 
-/// The f32 values within `k` ulp of each of `centres`.
-fn around(centres: &[f32], k: i32) -> Vec<f32> {
-    let mut v = Vec::new();
-    for &c in centres {
-        for d in -k..=k {
-            let b = c.to_bits() as i64 + d as i64;
-            if (0..=u32::MAX as i64).contains(&b) {
-                v.push(f32::from_bits(b as u32));
-            }
-        }
-    }
-    v
-}
-
 // Stride through the 2^32 bit patterns: odd, so the sign bit and every residue of the low
 // mantissa bits are hit (34 million inputs per function), and chosen so the whole file runs in
 // about 15 s on two cores; a stride of 7 would take 18 times as long. The exhaustive figures
@@ -169,6 +158,9 @@ const ERF_ULP: f64 = 0.92; // exhaustive 0.9161
 const SINPI_ULP: f64 = 0.76; // exhaustive 0.7500 (a denormal result; 0.6908 for normal ones)
 const COSPI_ULP: f64 = 0.70; // exhaustive 0.6888
 const POW_ULP: f64 = 0.77; // 0.7568 over 2^26 random pairs (a denormal result; 0.585 normal)
+/// `fastmath::pow`, the kernels' pow (its CPU build: a correctly rounded reciprocal where the GPU
+/// takes MUFU.RCP): the library's bound.
+const FAST_POW_ULP: f64 = 2.0;
 
 fn quarters() -> Vec<f32> {
     (-16..=16).map(|k| k as f32 * 0.25).collect()
@@ -220,7 +212,9 @@ fn accuracy() {
     rows.push((sweep1("sinpi", math::sinpi, |x| sincospi_ref(x).0, STRIDE, 7, &extra), SINPI_ULP));
     rows.push((sweep1("cospi", math::cospi, |x| sincospi_ref(x).1, STRIDE, 8, &extra), COSPI_ULP));
 
-    rows.push((pow_row(), POW_ULP));
+    let pairs = pow_pairs();
+    rows.push((pow_row("pow", math::pow, &pairs), POW_ULP));
+    rows.push((pow_row("fastpow", kernels_gpu::fastmath::pow, &pairs), FAST_POW_ULP));
 
     println!("\n{:<8} {:>10} {:>8}   worst input", "function", "inputs", "max ulp");
     for (r, _) in &rows {
@@ -231,28 +225,12 @@ fn accuracy() {
     }
 }
 
-/// splitmix64: a small, fixed-seed generator for the random pow pairs.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 * 2f64.powi(-53)
-    }
-}
-
 fn pow_ref(x: f32, y: f32) -> f64 {
     libm::pow(f64::from(x), f64::from(y))
 }
 
 /// Largest pow error over a list of (x, y) pairs, split over the threads.
-fn pow_worst(pairs: &[(f32, f32)]) -> (f64, f32, f32) {
+fn pow_worst(pow: fn(f32, f32) -> f32, pairs: &[(f32, f32)]) -> (f64, f32, f32) {
     let nt = threads() as usize;
     let chunk = pairs.len().div_ceil(nt).max(1);
     std::thread::scope(|s| {
@@ -262,7 +240,7 @@ fn pow_worst(pairs: &[(f32, f32)]) -> (f64, f32, f32) {
                 s.spawn(move || {
                     let mut w = (0.0f64, 0.0f32, 0.0f32);
                     for &(x, y) in c {
-                        let e = ulp_error(math::pow(x, y), pow_ref(x, y));
+                        let e = ulp_error(pow(x, y), pow_ref(x, y));
                         if e > w.0 {
                             w = (e, x, y);
                         }
@@ -275,57 +253,13 @@ fn pow_worst(pairs: &[(f32, f32)]) -> (f64, f32, f32) {
     })
 }
 
-fn pow_row() -> Row {
-    // Dense x against a list of y (integers, halves, large, tiny, special), x near 1 against
-    // huge y, and random pairs from a fixed seed.
-    let mut ys: Vec<f32> = (-12..=12).map(|k| k as f32).collect();
-    ys.extend([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 1.0 / 3.0, -1.0 / 3.0, 0.1, -0.1, 0.75, 3.7]);
-    ys.extend([100.0, -100.0, 1000.5, -1000.5, 12345.678, -12345.678, 65536.0, -65537.0]);
-    ys.extend([1e6, -1e6, 16777215.0, -16777215.0, 16777216.0, 1e9, -1e9, 1e30, -1e30]);
-    ys.extend([1e-3, -1e-3, 1e-7, -1e-7, 1e-20, -1e-20, DEN, -DEN, 0.0, -0.0, INF, -INF, NAN]);
-    let mut pairs = Vec::new();
-    // Dense x over all 2^32 bit patterns (both signs, zeros, denormals, infinities, NaNs).
-    let mut i = 9u64;
-    while i < 1 << 32 {
-        let x = f32::from_bits(i as u32);
-        for &y in &ys {
-            pairs.push((x, y));
-        }
-        i += 65_537;
-    }
-    // x close to 1 with large |y|: the cases that need log2 x to many more than 24 bits.
-    for &x in &around(&[1.0], 300) {
-        for y in [1e5f32, -1e5, 3e6, -3e6, 1.5e7, -1.5e7, 1e9] {
-            pairs.push((x, y));
-        }
-    }
-    // Random pairs: x uniform over the bit patterns of positive finite floats, y such that
-    // y log2 x is uniform in [-160, 140] (the full range of results, overflow and underflow
-    // included); then negative x with integer y; then uniform bit patterns for both.
-    let mut rng = Rng(0x005e_ed0f_9a11);
-    for _ in 0..1 << 22 {
-        let x = f32::from_bits((rng.next() % 0x7f80_0000) as u32);
-        let l = f64::from(x).log2();
-        let t = -160.0 + 300.0 * rng.unit();
-        let y = if l == 0.0 { t as f32 } else { (t / l) as f32 };
-        pairs.push((x, y));
-    }
-    for _ in 0..1 << 18 {
-        let x = -f32::from_bits((rng.next() % 0x7f80_0000) as u32);
-        let l = f64::from(x).abs().log2().abs().max(1e-3);
-        let y = ((-160.0 + 300.0 * rng.unit()) / l).round() as f32;
-        pairs.push((x, y));
-        pairs.push((x, y + 1.0));
-    }
-    for _ in 0..1 << 18 {
-        pairs.push((f32::from_bits(rng.next() as u32), f32::from_bits(rng.next() as u32)));
-    }
-    let (e, x, y) = pow_worst(&pairs);
+fn pow_row(name: &str, pow: fn(f32, f32) -> f32, pairs: &[(f32, f32)]) -> Row {
+    let (e, x, y) = pow_worst(pow, pairs);
     Row {
-        name: "pow".to_string(),
+        name: name.to_string(),
         tested: pairs.len() as u64,
         max_ulp: e,
-        worst: format!("x = {x:e}, y = {y:e} -> {:e}, reference {:e}", math::pow(x, y), pow_ref(x, y)),
+        worst: format!("x = {x:e}, y = {y:e} -> {:e}, reference {:e}", pow(x, y), pow_ref(x, y)),
     }
 }
 
@@ -453,72 +387,82 @@ fn sinpi_cospi_special_values() {
 
 #[test]
 fn pow_special_values() {
+    check_pow_special_values(math::pow);
+}
+
+#[test]
+fn fastpow_special_values() {
+    check_pow_special_values(kernels_gpu::fastmath::pow);
+}
+
+/// C99 Annex F's pow table, and a few exact cases, for `pow`.
+fn check_pow_special_values(pow: fn(f32, f32) -> f32) {
     // C99 Annex F, F.10.4.4.
     for x in [NAN, -NAN, INF, -INF, 0.0, -0.0, -3.0, 2.0, DEN] {
-        same(math::pow(x, 0.0), 1.0, "pow(x, +0) = 1 for any x");
-        same(math::pow(x, -0.0), 1.0, "pow(x, -0) = 1 for any x");
+        same(pow(x, 0.0), 1.0, "pow(x, +0) = 1 for any x");
+        same(pow(x, -0.0), 1.0, "pow(x, -0) = 1 for any x");
     }
     for y in [NAN, INF, -INF, 0.5, -7.0, 1e30, DEN] {
-        same(math::pow(1.0, y), 1.0, "pow(1, y) = 1 for any y");
+        same(pow(1.0, y), 1.0, "pow(1, y) = 1 for any y");
     }
-    same(math::pow(NAN, 2.0), NAN, "pow(NaN, 2)");
-    same(math::pow(2.0, NAN), NAN, "pow(2, NaN)");
-    same(math::pow(-1.0, NAN), NAN, "pow(-1, NaN)");
-    same(math::pow(0.0, -3.0), INF, "pow(+0, odd y < 0)");
-    same(math::pow(-0.0, -3.0), -INF, "pow(-0, odd y < 0)");
-    same(math::pow(0.0, -2.0), INF, "pow(+0, even y < 0)");
-    same(math::pow(-0.0, -2.0), INF, "pow(-0, even y < 0)");
-    same(math::pow(-0.0, -0.5), INF, "pow(-0, non-integer y < 0)");
-    same(math::pow(-0.0, -INF), INF, "pow(-0, -inf)");
-    same(math::pow(0.0, 3.0), 0.0, "pow(+0, odd y > 0)");
-    same(math::pow(-0.0, 3.0), -0.0, "pow(-0, odd y > 0)");
-    same(math::pow(-0.0, 2.0), 0.0, "pow(-0, even y > 0)");
-    same(math::pow(-0.0, 0.5), 0.0, "pow(-0, non-integer y > 0)");
-    same(math::pow(-0.0, 1e30), 0.0, "pow(-0, huge y)");
-    same(math::pow(-1.0, INF), 1.0, "pow(-1, inf)");
-    same(math::pow(-1.0, -INF), 1.0, "pow(-1, -inf)");
+    same(pow(NAN, 2.0), NAN, "pow(NaN, 2)");
+    same(pow(2.0, NAN), NAN, "pow(2, NaN)");
+    same(pow(-1.0, NAN), NAN, "pow(-1, NaN)");
+    same(pow(0.0, -3.0), INF, "pow(+0, odd y < 0)");
+    same(pow(-0.0, -3.0), -INF, "pow(-0, odd y < 0)");
+    same(pow(0.0, -2.0), INF, "pow(+0, even y < 0)");
+    same(pow(-0.0, -2.0), INF, "pow(-0, even y < 0)");
+    same(pow(-0.0, -0.5), INF, "pow(-0, non-integer y < 0)");
+    same(pow(-0.0, -INF), INF, "pow(-0, -inf)");
+    same(pow(0.0, 3.0), 0.0, "pow(+0, odd y > 0)");
+    same(pow(-0.0, 3.0), -0.0, "pow(-0, odd y > 0)");
+    same(pow(-0.0, 2.0), 0.0, "pow(-0, even y > 0)");
+    same(pow(-0.0, 0.5), 0.0, "pow(-0, non-integer y > 0)");
+    same(pow(-0.0, 1e30), 0.0, "pow(-0, huge y)");
+    same(pow(-1.0, INF), 1.0, "pow(-1, inf)");
+    same(pow(-1.0, -INF), 1.0, "pow(-1, -inf)");
     for x in [0.5f32, -0.5, 0.0, -0.0, DEN, 0.999_999_94] {
-        same(math::pow(x, -INF), INF, "pow(|x| < 1, -inf)");
-        same(math::pow(x, INF), 0.0, "pow(|x| < 1, inf)");
+        same(pow(x, -INF), INF, "pow(|x| < 1, -inf)");
+        same(pow(x, INF), 0.0, "pow(|x| < 1, inf)");
     }
     for x in [2.0f32, -2.0, INF, -INF, 1.000_000_1, MAXF] {
-        same(math::pow(x, -INF), 0.0, "pow(|x| > 1, -inf)");
-        same(math::pow(x, INF), INF, "pow(|x| > 1, inf)");
+        same(pow(x, -INF), 0.0, "pow(|x| > 1, -inf)");
+        same(pow(x, INF), INF, "pow(|x| > 1, inf)");
     }
-    same(math::pow(-INF, -3.0), -0.0, "pow(-inf, odd y < 0)");
-    same(math::pow(-INF, -2.0), 0.0, "pow(-inf, even y < 0)");
-    same(math::pow(-INF, -0.5), 0.0, "pow(-inf, non-integer y < 0)");
-    same(math::pow(-INF, 3.0), -INF, "pow(-inf, odd y > 0)");
-    same(math::pow(-INF, 2.0), INF, "pow(-inf, even y > 0)");
-    same(math::pow(-INF, 0.5), INF, "pow(-inf, non-integer y > 0)");
-    same(math::pow(INF, -2.0), 0.0, "pow(inf, y < 0)");
-    same(math::pow(INF, DEN), INF, "pow(inf, y > 0)");
+    same(pow(-INF, -3.0), -0.0, "pow(-inf, odd y < 0)");
+    same(pow(-INF, -2.0), 0.0, "pow(-inf, even y < 0)");
+    same(pow(-INF, -0.5), 0.0, "pow(-inf, non-integer y < 0)");
+    same(pow(-INF, 3.0), -INF, "pow(-inf, odd y > 0)");
+    same(pow(-INF, 2.0), INF, "pow(-inf, even y > 0)");
+    same(pow(-INF, 0.5), INF, "pow(-inf, non-integer y > 0)");
+    same(pow(INF, -2.0), 0.0, "pow(inf, y < 0)");
+    same(pow(INF, DEN), INF, "pow(inf, y > 0)");
     for x in [-2.0f32, -0.5, -1.0, -DEN, -MAXF] {
-        same(math::pow(x, 0.5), NAN, "pow(x < 0, non-integer y)");
-        same(math::pow(x, -2.5), NAN, "pow(x < 0, non-integer y)");
+        same(pow(x, 0.5), NAN, "pow(x < 0, non-integer y)");
+        same(pow(x, -2.5), NAN, "pow(x < 0, non-integer y)");
     }
     // Negative base, integer exponent: the sign follows the parity of y.
-    same(math::pow(-2.0, 3.0), -8.0, "pow(-2, 3)");
-    same(math::pow(-2.0, 2.0), 4.0, "pow(-2, 2)");
-    same(math::pow(-2.0, -1.0), -0.5, "pow(-2, -1)");
-    same(math::pow(-2.0, -2.0), 0.25, "pow(-2, -2)");
-    same(math::pow(-1.0, 16777215.0), -1.0, "pow(-1, 2^24 - 1)");
-    same(math::pow(-1.0, 16777216.0), 1.0, "pow(-1, 2^24)");
-    same(math::pow(-1.0, 1e30), 1.0, "pow(-1, 1e30)");
-    same(math::pow(-0.5, 3.0), -0.125, "pow(-0.5, 3)");
-    same(math::pow(-10.0, 39.0), -INF, "pow(-10, 39) overflows with its sign");
-    same(math::pow(-10.0, -47.0), -0.0, "pow(-10, -47) underflows with its sign");
-    same(math::pow(-10.0, 40.0), INF, "pow(-10, 40)");
-    same(math::pow(-2.0, -149.0), -DEN, "pow(-2, -149)");
-    same(math::pow(2.0, -150.0), 0.0, "pow(2, -150) rounds to +0 (tie to even)");
-    same(math::pow(2.0, 127.0), 2f32.powi(127), "pow(2, 127)");
-    same(math::pow(2.0, 128.0), INF, "pow(2, 128)");
+    same(pow(-2.0, 3.0), -8.0, "pow(-2, 3)");
+    same(pow(-2.0, 2.0), 4.0, "pow(-2, 2)");
+    same(pow(-2.0, -1.0), -0.5, "pow(-2, -1)");
+    same(pow(-2.0, -2.0), 0.25, "pow(-2, -2)");
+    same(pow(-1.0, 16777215.0), -1.0, "pow(-1, 2^24 - 1)");
+    same(pow(-1.0, 16777216.0), 1.0, "pow(-1, 2^24)");
+    same(pow(-1.0, 1e30), 1.0, "pow(-1, 1e30)");
+    same(pow(-0.5, 3.0), -0.125, "pow(-0.5, 3)");
+    same(pow(-10.0, 39.0), -INF, "pow(-10, 39) overflows with its sign");
+    same(pow(-10.0, -47.0), -0.0, "pow(-10, -47) underflows with its sign");
+    same(pow(-10.0, 40.0), INF, "pow(-10, 40)");
+    same(pow(-2.0, -149.0), -DEN, "pow(-2, -149)");
+    same(pow(2.0, -150.0), 0.0, "pow(2, -150) rounds to +0 (tie to even)");
+    same(pow(2.0, 127.0), 2f32.powi(127), "pow(2, 127)");
+    same(pow(2.0, 128.0), INF, "pow(2, 128)");
     // Exact cases.
-    same(math::pow(2.0, 0.5), std::f32::consts::SQRT_2, "pow(2, 1/2)");
-    same(math::pow(3.0, 4.0), 81.0, "pow(3, 4)");
-    same(math::pow(10.0, 10.0), 1e10, "pow(10, 10)");
-    same(math::pow(4.0, -0.5), 0.5, "pow(4, -1/2)");
-    same(math::pow(1.0 + f32::EPSILON, 8388608.0), std::f32::consts::E, "(1 + 2^-23)^(2^23)");
+    same(pow(2.0, 0.5), std::f32::consts::SQRT_2, "pow(2, 1/2)");
+    same(pow(3.0, 4.0), 81.0, "pow(3, 4)");
+    same(pow(10.0, 10.0), 1e10, "pow(10, 10)");
+    same(pow(4.0, -0.5), 0.5, "pow(4, -1/2)");
+    same(pow(1.0 + f32::EPSILON, 8388608.0), std::f32::consts::E, "(1 + 2^-23)^(2^23)");
 }
 
 #[test]

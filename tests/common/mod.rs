@@ -402,6 +402,15 @@ pub fn unary_ops() -> Vec<(UnaryOp, Draw)> {
         (UnaryOp::Pow(0.5), Draw::POSITIVE),
         (UnaryOp::Pow(-1.5), Draw::POSITIVE),
         (UnaryOp::Pow(0.0), Draw::NORMAL),
+        // Every form of the pow kernel (`ops::Pow`): 3, 2, 1 and -1 by multiplication or
+        // division, 0.5, -1.5, 2.5 and -3 by the general path (negative bases: NaN, or the sign
+        // of an odd power), 0, +inf and NaN by the full pow. The backward takes the form of p - 1.
+        (UnaryOp::Pow(1.0), Draw::NORMAL),
+        (UnaryOp::Pow(-1.0), Draw::NORMAL),
+        (UnaryOp::Pow(2.5), Draw::NORMAL),
+        (UnaryOp::Pow(-3.0), Draw::NORMAL),
+        (UnaryOp::Pow(f32::INFINITY), Draw::POSITIVE),
+        (UnaryOp::Pow(f32::NAN), Draw::NORMAL),
         (UnaryOp::Clamp { min: -0.5, max: 0.75 }, Draw::NORMAL),
         (UnaryOp::AddScalar(1.5), Draw::NORMAL),
         (UnaryOp::SubScalar(-2.25), Draw::NORMAL),

@@ -271,6 +271,13 @@ pub fn finite_difference(op: UnaryOp, x: f64) -> Option<f64> {
     if !x.is_finite() || x.abs() > 1e4 {
         return None;
     }
+    // x^inf and x^NaN have no derivative to approximate: PyTorch's formula p x^(p - 1) gives NaN
+    // (inf * 0, or NaN) where a difference quotient gives 0.
+    if let UnaryOp::Pow(p) = op
+        && !p.is_finite()
+    {
+        return None;
+    }
     // Rounding error is about eps |f| / h: start with a step large against that, on the scale at
     // which these functions vary (1, or |x|), and shrink while the estimates disagree.
     let mut h = 1e-4 * x.abs().max(1.0);
