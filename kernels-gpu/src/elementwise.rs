@@ -85,7 +85,8 @@ mod device {
     }
 
     /// [`grid_stride`] with `rounds` (1, 2 or 4, a constant at the call site) vectors per thread
-    /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors).
+    /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors)
+    /// or whose math sets the pace (`UnaryFn::fwd_vectors_per_round`).
     #[inline(always)]
     pub(crate) unsafe fn grid_stride_by<T: Elem, L: Copy>(
         n: u64,
@@ -164,9 +165,14 @@ mod device {
     #[inline(always)]
     unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
+        let rounds = match O::fwd_vectors_per_round::<F>() {
+            0 => unroll(T::DTYPE),
+            r => r,
+        };
         unsafe {
-            grid_stride::<T, _>(
+            grid_stride_by::<T, _>(
                 n,
+                rounds,
                 #[inline(always)]
                 |o| load(x.add(o), in_place),
                 #[inline(always)]
