@@ -86,7 +86,7 @@ mod device {
 
     /// [`grid_stride`] with `rounds` (1, 2 or 4, a constant at the call site) vectors per thread
     /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors)
-    /// or whose math sets the pace (`UnaryFn::fwd_vectors_per_round`).
+    /// or whose math sets the pace (`UnaryFn::FWD_VECTORS_PER_ROUND`).
     #[inline(always)]
     pub(crate) unsafe fn grid_stride_by<T: Elem, L: Copy>(
         n: u64,
@@ -165,7 +165,7 @@ mod device {
     #[inline(always)]
     unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
-        let rounds = match O::fwd_vectors_per_round::<F>() {
+        let rounds = match O::FWD_VECTORS_PER_ROUND {
             0 => unroll(T::DTYPE),
             r => r,
         };

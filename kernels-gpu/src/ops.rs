@@ -47,15 +47,14 @@ pub trait UnaryFn {
     fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, b: f32) -> f32 {
         Self::bwd(x, g, a, b)
     }
-    /// Vectors a thread loads per round of the forward kernel's loop in form `F`
-    /// (`elementwise::grid_stride_by`); 0 keeps the default, `elementwise::unroll(dtype)`. A form
+    /// Vectors a thread loads per round of the forward kernel's loops
+    /// (`elementwise::grid_stride_by`); 0 keeps the default, `elementwise::unroll(dtype)`. An op
     /// whose math, not memory, sets the pace takes 1: four f32 vectors a thread interleave 16
-    /// elements' math and cost the registers of 16, which cuts the resident warps that hide the
-    /// loads (pow's general form: 70 registers, 0.82x PyTorch with four; 0.997x with one).
-    #[inline(always)]
-    fn fwd_vectors_per_round<const F: u32>() -> usize {
-        0
-    }
+    /// elements' math and take the registers of 16, which cuts the resident warps that hide the
+    /// loads. It is per op, not per form: a kernel's registers are those of its hungriest loop
+    /// (pow's general form: 0.82x PyTorch with four, 70 registers; 0.90x with one vector for it
+    /// and four for the other forms, 62; 0.997x with one for all, measured on the H100).
+    const FWD_VECTORS_PER_ROUND: usize = 0;
 }
 
 /// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`] spells out this many arms.
@@ -278,11 +277,8 @@ impl UnaryFn for Pow {
     fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, _: f32) -> f32 {
         if a == 0.0 { 0.0 } else { g * (a * pow_in::<F>(x, a - 1.0)) }
     }
-    /// The general path is compute-bound: one vector a thread a round (measured: see the trait).
-    #[inline(always)]
-    fn fwd_vectors_per_round<const F: u32>() -> usize {
-        if F == POW_GENERAL || F == POW_SPECIAL { 1 } else { 0 }
-    }
+    /// The general path is compute-bound: one vector a thread a round (see the trait).
+    const FWD_VECTORS_PER_ROUND: usize = 1;
     #[inline(always)]
     fn fwd(x: f32, a: f32, b: f32) -> f32 {
         crate::by_form!(pow_form(a), F => Self::fwd_in::<F>(x, a, b))
