@@ -9,7 +9,11 @@
 //! cargo bench --bench rows                         # everything
 //! cargo bench --bench rows -- 'softmax'            # a regex over the names
 //! KERNELS_BENCH_JSON=rows.json cargo bench --bench rows
+//! KERNELS_BENCH_SHAPES=4092x32768,4096x32768 cargo bench --bench rows -- 'f32/fwd/layer_norm'
 //! ```
+//!
+//! `KERNELS_BENCH_SHAPES` (comma-separated `ROWSxCOLS`) replaces the suite's shapes for softmax and
+//! the norms, for studies of one kernel across shapes.
 //!
 //! Names: `rows/<dtype>/<fwd|bwd|fwdbwd>/<op>@<rows>x<cols>/<rows*cols>`. GB/s counts each
 //! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
@@ -143,10 +147,22 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
     })
 }
 
+/// The shapes of softmax and the norms: `KERNELS_BENCH_SHAPES` if set, else [`SHAPES`].
+fn shapes() -> Vec<(usize, usize)> {
+    let Ok(spec) = std::env::var("KERNELS_BENCH_SHAPES") else { return SHAPES.to_vec() };
+    let parse = |s: &str| {
+        let (r, c) = s.trim().split_once('x')?;
+        Some((r.parse().ok()?, c.parse().ok()?))
+    };
+    spec.split(',')
+        .map(|s| parse(s).unwrap_or_else(|| panic!("KERNELS_BENCH_SHAPES: expected ROWSxCOLS, got {s:?}")))
+        .collect()
+}
+
 fn cases() -> Vec<Case> {
     let mut v = Vec::new();
     for dt in [DType::F32, DType::BF16] {
-        for (r, c) in SHAPES {
+        for (r, c) in shapes() {
             if dt == DType::BF16 && r == 64 {
                 continue;
             }

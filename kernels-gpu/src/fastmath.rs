@@ -12,7 +12,7 @@
 //! rounded reciprocal on the CPU where the GPU takes MUFU.RCP's estimate, so that the CPU
 //! accuracy test (`kernels-gpu/tests/math_accuracy.rs`) measures the method the GPU runs.
 
-pub use crate::math::{cospi, expm1, fma, log, log1p, recip, rsqrt, sinpi, sqrt, tanh};
+pub use crate::math::{cospi, expm1, fma, log, log1p, recip, rsqrt, sinpi, sqrt};
 
 /// e^x, <= 2 ulp.
 #[cfg(not(target_arch = "nvptx64"))]
@@ -395,4 +395,62 @@ pub fn pow_finite_y(x: f32, y: f32) -> f32 {
 #[inline(always)]
 pub fn pow(x: f32, y: f32) -> f32 {
     crate::math::pow_special_y(x, y, pow_finite_y(x, y))
+}
+
+/// tanh, <= 2 ulp, without a branch.
+///
+/// Why: `math::tanh` (0.75 ulp) computes its large range as a double-f32 and picks the range with
+/// a branch, so each of a thread's elements is computed after the previous one; at 2^16 elements,
+/// where a launch's time is one thread's chain of dependent instructions, `tanh_fwd_f32` took
+/// 4.22 us of kernel time against PyTorch's 3.17 (ncu, `benches/NOTES.md`, twelfth session).
+///
+/// Method: |x| < 0.55: `math::tanh`'s odd polynomial (0.75 ulp). Otherwise, with
+/// e = e^(-2|x|) <= 1/3: tanh |x| = 1 - 2e / (1 + e), as fma(-2e, r, 1) with r = 1 / (1 + e).
+/// e from `math::exp`'s reduction and polynomial with one rounding (about 0.6 ulp; -2|x| in
+/// [-20, -1.1], so 2^n is normal), 1 + e rounded (0.5 ulp), r within about 0.5 ulp of its
+/// value (MUFU.RCP and one Newton step on the GPU; the division on the CPU): 2e r <= 1/2 carries
+/// about 1.6 of its ulps, at most 0.8 of the result's, and the fma rounds once more. Both
+/// ranges are computed and one is selected. |x| is clamped to 10 (tanh rounds to 1 from 9.01);
+/// NaN passes to the large range and gives NaN; tanh(+-0) = +-0 and tanh(+-inf) = +-1.
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    use crate::math::{exp_reduce, exp_tail, tanh_small};
+    let ax = x.abs();
+    let small = tanh_small(x);
+    let a = if ax > 10.0 { 10.0 } else { ax }; // NaN passes through
+    let (n, rh, c) = exp_reduce(-2.0 * a); // n in [-29, -1]
+    let t = pow2i(n);
+    let e = fma(t, rh + exp_tail(rh, c), t);
+    let d = 1.0 + e;
+    let r = recip_near_one(d);
+    let large = fma(-2.0 * e, r, 1.0);
+    select(ax < 0.55, small, large).copysign(x)
+}
+
+/// 1 / d for d in [1, 2] within about 0.5 ulp: MUFU.RCP and one Newton step on the GPU (no range
+/// scaling, which `math::recip` needs for any d), the division on the CPU.
+#[inline(always)]
+fn recip_near_one(d: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        let r = crate::prim::rcp_approx_ftz(d);
+        fma(r, fma(-d, r, 1.0), r)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        1.0 / d
+    }
+}
+
+/// `if c { a } else { b }` with both computed: one `selp` on the GPU (`prim::select_f32`).
+#[inline(always)]
+fn select(c: bool, a: f32, b: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        crate::prim::select_f32(c, a, b)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        if c { a } else { b }
+    }
 }

@@ -181,7 +181,7 @@ fn two_sum(a: f32, b: f32) -> (f32, f32) {
 /// part of the reduced argument that does not fit in rh). Keeping rh apart (it is exact) lets
 /// the callers round only once at the end.
 #[inline(always)]
-fn exp_tail(rh: f32, c: f32) -> f32 {
+pub(crate) fn exp_tail(rh: f32, c: f32) -> f32 {
     let mut p = 0.00019654063;
     p = fma(p, rh, 0.0013932014);
     p = fma(p, rh, 0.008333674);
@@ -197,7 +197,7 @@ fn exp_tail(rh: f32, c: f32) -> f32 {
 
 /// x = n ln2 + rh + c with rh exact, |rh| <= 0.34658 and |c| <= 3e-7, for |x| <= 150.
 #[inline(always)]
-fn exp_reduce(x: f32) -> (i32, f32, f32) {
+pub(crate) fn exp_reduce(x: f32) -> (i32, f32, f32) {
     let t = fma(x, LOG2E, SHIFT);
     let kf = t - SHIFT;
     // x - kf*LN2 is exact: both are multiples of 2^-25 (|x| >= 1/4 when kf != 0) and the
@@ -376,17 +376,13 @@ pub fn log1p(x: f32) -> f32 {
 ///
 /// Max error (exhaustive): 0.745 ulp, in the polynomial range near 0.55 (0.52 above it).
 /// tanh(+-inf) = +-1, tanh(+-0) = +-0.
+///
+/// The kernels call `fastmath::tanh` instead (1.47 ulp, shorter and without a branch); this one
+/// is the CPU's.
 #[inline]
 pub fn tanh(x: f32) -> f32 {
     let ax = x.abs();
-    // Small |x|.
-    let z = x * x;
-    let mut p = -0.0062278705;
-    p = fma(p, z, 0.021046555);
-    p = fma(p, z, -0.053847548);
-    p = fma(p, z, 0.13332544);
-    p = fma(p, z, -0.33333316);
-    let small = fma(x, z * p, x);
+    let small = tanh_small(x);
     // Large |x|.
     let a2 = 2.0 * if ax > 10.0 { 10.0 } else { ax };
     let (n, rh, c) = exp_reduce(a2); // n in [0, 29]
@@ -403,10 +399,19 @@ pub fn tanh(x: f32) -> f32 {
     let large = h + (l - dq);
     // NaN takes the large path, which yields NaN. tanh is odd: copysign also gives tanh(-0) = -0,
     // which x + x^3 P would round to +0.
-    // A branch in SASS (LLVM sinks `large` into it), not a select: a `selp` (both ranges for
-    // every lane, the elements interleaved) measured 6% faster at 2^16 elements but 0.9% slower
-    // at 2^28, where the f32 forward is compute-bound at PyTorch's 0.97x (benches/NOTES.md).
     (if ax < 0.55 { small } else { large }).copysign(x)
+}
+
+/// tanh for |x| < 0.55: x + x^3 P(x^2), P of degree 4 (see [`tanh`]).
+#[inline(always)]
+pub(crate) fn tanh_small(x: f32) -> f32 {
+    let z = x * x;
+    let mut p = -0.0062278705;
+    p = fma(p, z, 0.021046555);
+    p = fma(p, z, -0.053847548);
+    p = fma(p, z, 0.13332544);
+    p = fma(p, z, -0.33333316);
+    fma(x, z * p, x)
 }
 
 /// Error function.

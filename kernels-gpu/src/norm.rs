@@ -58,14 +58,23 @@ mod device {
     /// Layer norm (centred) or RMS norm.
     pub trait Norm {
         const CENTER: bool;
+        /// L1 policy of the register-resident forward's weight loads. Every block (one row each)
+        /// reads the whole weight after its reductions, from L2 unless L1 still has it from
+        /// the SM's previous row. RMS norm's weight alone (128 KB at 32768 f32) fits beside the
+        /// row's loads, and `evict_last` keeps it: 2884 -> 2922 GB/s at 4096 x 32768 f32,
+        /// other shapes unchanged. Layer norm's weight and bias (256 KB) do not: `evict_last`
+        /// on the weight left it unchanged, and with the bias `no_allocate` it fell 15%.
+        const WEIGHT_L1: L1;
     }
     pub struct Layer;
     pub struct Rms;
     impl Norm for Layer {
         const CENTER: bool = true;
+        const WEIGHT_L1: L1 = L1::Normal;
     }
     impl Norm for Rms {
         const CENTER: bool = false;
+        const WEIGHT_L1: L1 = L1::EvictLast;
     }
 
     /// `(mean, rstd)` of a row from `(count, mean, sum of squared deviations)` (layer) or
@@ -84,13 +93,20 @@ mod device {
     /// pointer is null. With `vec` the columns start 16-byte aligned and load as one vector.
     #[inline(always)]
     unsafe fn params<T: Elem>(p: *const T, c: u64, vec: bool, absent: f32) -> [f32; 8] {
+        // SAFETY: the same contract.
+        unsafe { params_l1::<T>(p, c, vec, absent, L1::Normal) }
+    }
+
+    /// [`params`] with an L1 policy for the vector load.
+    #[inline(always)]
+    unsafe fn params_l1<T: Elem>(p: *const T, c: u64, vec: bool, absent: f32, policy: L1) -> [f32; 8] {
         if p.is_null() {
             return [absent; 8];
         }
         // SAFETY: c + VEC <= cols, the parameter's length; aligned when `vec`.
         unsafe {
             if vec {
-                T::unpack(ld_global_nc_v4(p.add(c as usize) as *const u32))
+                T::unpack(ld_global_nc_v4_l1(p.add(c as usize) as *const u32, policy))
             } else {
                 let mut v = [absent; 8];
                 for_lanes::<T>(
@@ -187,7 +203,7 @@ mod device {
                 if slot_present(&g, s, nvec, ok) {
                     let c = slot_col::<T>(&g, s);
                     // SAFETY: c + VEC <= cols, aligned (cols is a multiple of VEC).
-                    let (wv, bv) = unsafe { (params(w, c, true, 1.0), params(b, c, true, 0.0)) };
+                    let (wv, bv) = unsafe { (params_l1(w, c, true, 1.0, N::WEIGHT_L1), params(b, c, true, 0.0)) };
                     // Unpacked again from the packed registers (see `prim::opaque`).
                     let mut v = T::unpack(opaque(raw[s]));
                     for_lanes::<T>(

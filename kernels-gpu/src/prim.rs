@@ -457,6 +457,52 @@ pub unsafe fn ld_global_nc_v4(p: *const u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// L1 eviction policy of a load ([`ld_global_nc_v4_l1`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum L1 {
+    /// The default (`evict_normal`).
+    Normal,
+    /// Kept over normal lines: data that the same SM reads again soon.
+    EvictLast,
+    /// Not kept in L1 once delivered: data read once.
+    NoAllocate,
+    /// Evicted before normal lines.
+    EvictFirst,
+}
+
+/// [`ld_global_nc_v4`] with an L1 eviction policy. `policy` should be a constant (it is after
+/// inlining): each policy is its own instruction. The hints need PTX ISA 7.4; the sm_80 module
+/// is built for an older ISA (older drivers), so there every policy is the plain load.
+///
+/// # Safety
+/// As [`ld_global_nc_v4`].
+#[inline(always)]
+pub unsafe fn ld_global_nc_v4_l1(p: *const u32, policy: L1) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    macro_rules! ld {
+        ($q:literal) => {
+            // SAFETY: per the function contract.
+            unsafe {
+                asm!(concat!("ld.global.nc", $q, ".v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];"),
+                     a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                     p = in(reg64) p, options(pure, readonly, nostack, preserves_flags))
+            }
+        };
+    }
+    #[cfg(not(target_feature = "sm_90"))]
+    let policy = {
+        let _ = policy;
+        L1::Normal
+    };
+    match policy {
+        L1::Normal => ld!(""),
+        L1::EvictLast => ld!(".L1::evict_last"),
+        L1::NoAllocate => ld!(".L1::no_allocate"),
+        L1::EvictFirst => ld!(".L1::evict_first"),
+    }
+    [a, b, c, d]
+}
+
 /// Loads 16 bytes with an ordinary (coherent) global load, for buffers the same launch may also
 /// write (in-place operations).
 ///
@@ -688,6 +734,22 @@ pub fn ex2_approx_ftz(x: f32) -> f32 {
              options(pure, nomem, nostack, preserves_flags));
     }
     y
+}
+
+/// `if c { a } else { b }` as one `selp`, with both operands computed first. For a select whose
+/// operands are long computations: LLVM turns such a select into a branch around the one it
+/// takes, and on the GPU that branch keeps the elements a thread holds from being computed
+/// together.
+#[inline(always)]
+pub fn select_f32(c: bool, a: f32, b: f32) -> f32 {
+    let r: f32;
+    // SAFETY: pure register operation.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {c}, 0; selp.f32 {r}, {a}, {b}, p; }}",
+             r = out(reg32) r, c = in(reg32) c as u32, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    r
 }
 
 /// `max(a, b)`, NaN if either is NaN (`max.NaN.f32`, sm_80+: one instruction where a compare

@@ -161,6 +161,9 @@ const POW_ULP: f64 = 0.77; // 0.7568 over 2^26 random pairs (a denormal result; 
 /// `fastmath::pow`, the kernels' pow (its CPU build: a correctly rounded reciprocal where the GPU
 /// takes MUFU.RCP): the library's bound.
 const FAST_POW_ULP: f64 = 2.0;
+/// `fastmath::tanh`, the kernels' tanh (its CPU build divides where the GPU takes MUFU.RCP and a
+/// Newton step): the library's bound.
+const FAST_TANH_ULP: f64 = 2.0;
 
 fn quarters() -> Vec<f32> {
     (-16..=16).map(|k| k as f32 * 0.25).collect()
@@ -204,6 +207,8 @@ fn accuracy() {
 
     let extra = ex(&[&around(&[0.55, -0.55, 0.549_306_1, 9.010_913, 10.0, 0.173_286_8], 128)]);
     rows.push((sweep1("tanh", math::tanh, |x| libm::tanh(x.into()), STRIDE, 5, &extra), TANH_ULP));
+    let fast_tanh = kernels_gpu::fastmath::tanh;
+    rows.push((sweep1("fasttanh", fast_tanh, |x| libm::tanh(x.into()), STRIDE, 5, &extra), FAST_TANH_ULP));
 
     let extra = ex(&[&around(&[1.0, -1.0, 3.919_205_2, 3.95, 0.5, 2.0], 256)]);
     rows.push((sweep1("erf", math::erf, |x| libm::erf(x.into()), STRIDE, 6, &extra), ERF_ULP));
@@ -323,7 +328,8 @@ fn log_log1p_special_values() {
 
 #[test]
 fn tanh_erf_special_values() {
-    for (name, f) in [("tanh", math::tanh as fn(f32) -> f32), ("erf", math::erf)] {
+    let fast_tanh = kernels_gpu::fastmath::tanh as fn(f32) -> f32;
+    for (name, f) in [("tanh", math::tanh as fn(f32) -> f32), ("fastmath::tanh", fast_tanh), ("erf", math::erf)] {
         same(f(NAN), NAN, name);
         same(f(INF), 1.0, name);
         same(f(-INF), -1.0, name);
@@ -338,6 +344,10 @@ fn tanh_erf_special_values() {
     same(math::tanh(-DEN), -DEN, "tanh(-denormal)");
     same(math::tanh(1e-30), 1e-30, "tanh(1e-30)");
     same(math::tanh(9.1), 1.0, "tanh(9.1) rounds to 1");
+    for (x, what) in [(DEN, "denormal"), (-DEN, "-denormal"), (1e-30, "1e-30")] {
+        same(fast_tanh(x), x, &format!("fastmath::tanh({what})"));
+    }
+    same(fast_tanh(9.1), 1.0, "fastmath::tanh(9.1) rounds to 1");
     same(math::erf(3.95), 1.0, "erf(3.95) rounds to 1");
     // Denormals: erf(x) = 1.128 x, rounded to the denormal grid.
     let d = f32::from_bits;
