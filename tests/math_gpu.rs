@@ -126,38 +126,14 @@ fn sweep(dev: &Device, f: MathFn) -> Result<(), String> {
         count += xs.len();
         let x = Tensor::from_slice(dev, &xs, &[xs.len()]).map_err(e)?;
         let y = math_probe(&x, f).map_err(e)?.to_vec::<f32>().map_err(e)?;
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let per = xs.len().div_ceil(threads);
-        let results: Vec<((f64, f32), usize)> = std::thread::scope(|s| {
-            let handles: Vec<_> = xs
-                .chunks(per)
-                .zip(y.chunks(per))
-                .map(|(xc, yc)| {
-                    s.spawn(move || {
-                        let mut w = (0.0f64, 0.0f32);
-                        let mut d = 0;
-                        for (&x, &y) in xc.iter().zip(yc) {
-                            let err = error(f, x, y, reference(f, x));
-                            if err > w.0 {
-                                w = (err, x);
-                            }
-                            let c = f.eval(x);
-                            if c.to_bits() != y.to_bits() && !(c.is_nan() && y.is_nan()) {
-                                d += 1;
-                            }
-                        }
-                        (w, d)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let (w, d) = compare_par(&xs, &y, |&x, y| {
+            let c = f.eval(x);
+            (error(f, x, y, reference(f, x)), c.to_bits() != y.to_bits() && !(c.is_nan() && y.is_nan()))
         });
-        for (w, d) in results {
-            if w.0 > worst.0 {
-                worst = w;
-            }
-            differ_from_cpu += d;
+        if w.0 > worst.0 {
+            worst = w;
         }
+        differ_from_cpu += d;
     }
     let unit = match f {
         MathFn::NormalCdf | MathFn::NormalPdf => "of its bound".to_string(),
@@ -177,6 +153,48 @@ fn sweep(dev: &Device, f: MathFn) -> Result<(), String> {
     Ok(())
 }
 
+/// `judge(input, gpu_result) -> (error, differs from the CPU build)` over `inputs` and the GPU's
+/// results, on every core: the largest error with its input, and how many results differ.
+fn compare_par<I: Copy + Default + Send + Sync>(
+    inputs: &[I],
+    got: &[f32],
+    judge: impl Fn(&I, f32) -> (f64, bool) + Sync,
+) -> ((f64, I), usize) {
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per = inputs.len().div_ceil(threads).max(1);
+    let judge = &judge;
+    let parts: Vec<((f64, I), usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .chunks(per)
+            .zip(got.chunks(per))
+            .map(|(ic, gc)| {
+                s.spawn(move || {
+                    let mut w = (0.0f64, I::default());
+                    let mut d = 0;
+                    for (i, &g) in ic.iter().zip(gc) {
+                        let (err, differs) = judge(i, g);
+                        if err > w.0 {
+                            w = (err, *i);
+                        }
+                        d += differs as usize;
+                    }
+                    (w, d)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut worst = (0.0f64, I::default());
+    let mut differ = 0;
+    for (w, d) in parts {
+        if w.0 > worst.0 {
+            worst = w;
+        }
+        differ += d;
+    }
+    (worst, differ)
+}
+
 /// The kernels' pow (`fastmath::pow`) over the (x, y) pairs of the CPU test (`pow_pairs.rs`:
 /// dense x against a list of y, x near 1 with huge y, random pairs over the whole result range,
 /// negative x with integer y, random bit patterns), against f64 libm, within [`MAX_ULP`]. The CPU
@@ -194,38 +212,14 @@ fn sweep_pow(dev: &Device) -> Result<(), String> {
         let x = Tensor::from_slice(dev, &xs, &[xs.len()]).map_err(e)?;
         let y = Tensor::from_slice(dev, &ys, &[ys.len()]).map_err(e)?;
         let got = math_probe_pow(&x, &y).map_err(e)?.to_vec::<f32>().map_err(e)?;
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let per = chunk.len().div_ceil(threads);
-        let results: Vec<((f64, f32, f32), usize)> = std::thread::scope(|s| {
-            let handles: Vec<_> = chunk
-                .chunks(per)
-                .zip(got.chunks(per))
-                .map(|(pc, gc)| {
-                    s.spawn(move || {
-                        let mut w = (0.0f64, 0.0f32, 0.0f32);
-                        let mut d = 0;
-                        for (&(x, y), &g) in pc.iter().zip(gc) {
-                            let err = ulp_error(g, libm::pow(x as f64, y as f64));
-                            if err > w.0 {
-                                w = (err, x, y);
-                            }
-                            let c = kernels_gpu::fastmath::pow(x, y);
-                            if c.to_bits() != g.to_bits() && !(c.is_nan() && g.is_nan()) {
-                                d += 1;
-                            }
-                        }
-                        (w, d)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let ((err, (x, y)), d) = compare_par(chunk, &got, |&(x, y), g| {
+            let c = kernels_gpu::fastmath::pow(x, y);
+            (ulp_error(g, libm::pow(x as f64, y as f64)), c.to_bits() != g.to_bits() && !(c.is_nan() && g.is_nan()))
         });
-        for (w, d) in results {
-            if w.0 > worst.0 {
-                worst = w;
-            }
-            differ_from_cpu += d;
+        if err > worst.0 {
+            worst = (err, x, y);
         }
+        differ_from_cpu += d;
     }
     let (err, x, y) = worst;
     println!(
