@@ -86,22 +86,42 @@ pub fn rows_fit_grid(rows: u64, g: u32) -> bool {
     rows.div_ceil((ROW_BLOCK / g).max(1) as u64) <= i32::MAX as u64
 }
 
+/// How [`reg_vectors`] spreads a row over the threads of its group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spread {
+    /// The fewest vectors that keep a group at 128 threads or fewer (many rows per SM), else at
+    /// 256, 512, 1024. For launches of few rows, whose rows then spread over more blocks.
+    Narrow,
+    /// As `Narrow`, but at least four vectors a thread where the row has them: four loads in
+    /// flight per thread, and a group reduction (a butterfly of shuffles, and for groups over
+    /// 32 a round through shared memory) amortised over 16-32 values; with one vector per
+    /// thread a row of 128 f32 spent more time reducing than loading (2607 GB/s for layer norm
+    /// at 262144 x 128 on the H100, against 2900 at 1024 columns). (Not for kernels whose
+    /// registers grow fastest with the vectors, like the norms' backward, where four vectors of
+    /// f32 take 160 registers: their `available` stops below four.)
+    Wide,
+    /// The fewest vectors a thread (the largest group, up to 1024 threads). Softmax's backward:
+    /// two loads a vector (y and its gradient), one reduction and a multiply-add an element, so
+    /// what pays is threads, i.e. warps in flight, more than loads per thread: on the H100,
+    /// f32 at 16384 x 4096 2989 -> 3022 GB/s (four vectors a thread -> one), 262144 x 128 2877
+    /// -> 2930, bf16 262144 x 128 2645 -> 2763, 8192 x 8192 f32 2992 -> 3003 (four -> two);
+    /// log-softmax's backward at 16384 x 4096 2986 -> 3014 (`benches/NOTES.md`, thirteenth
+    /// session).
+    Fewest,
+}
+
 /// Vectors per thread for a register-resident row kernel over rows of `nvec` vectors, from the
-/// instantiated `available` ones (ascending), or `None` when the row is too long for them.
-///
-/// With `wide`, at least four where the row has them: four loads in flight per thread, and a group
-/// reduction (a butterfly of shuffles, and for groups over 32 a round through shared memory)
-/// amortised over 16-32 values; with one vector per thread a row of 128 f32 spent more time
-/// reducing than loading (2607 GB/s for layer norm at 262144 x 128 on the H100, against 2900
-/// at 1024 columns). (Not for kernels whose registers grow fastest with the vectors, like the
-/// norms' backward, where four vectors of f32 take 160 registers.) Then the fewest vectors
-/// that keep a group at 128 threads or fewer (many rows per SM), else at 256, 512, 1024.
-pub fn reg_vectors(nvec: u64, available: &[usize], wide: bool) -> Option<usize> {
+/// instantiated `available` ones (ascending), spread as `spread` says, or `None` when the row
+/// is too long for them.
+pub fn reg_vectors(nvec: u64, available: &[usize], spread: Spread) -> Option<usize> {
     if nvec == 0 {
         return None;
     }
+    if spread == Spread::Fewest {
+        return available.iter().copied().find(|&v| nvec <= v as u64 * MAX_GROUP as u64);
+    }
     let most = available.iter().copied().max()?;
-    let floor = if wide { (nvec.next_power_of_two().min(4) as usize).min(most) } else { 1 };
+    let floor = if spread == Spread::Wide { (nvec.next_power_of_two().min(4) as usize).min(most) } else { 1 };
     let fits = |limit: u64| available.iter().copied().filter(|&v| v >= floor).find(|&v| nvec <= v as u64 * limit);
     [128, 256, 512, MAX_GROUP as u64].into_iter().find_map(fits)
 }
@@ -181,18 +201,26 @@ mod tests {
         assert!(rows_fit_grid(1 << 38, 1));
         assert!(!rows_fit_grid(1 << 38, 1024));
         let all = [1, 2, 4, 8];
-        assert_eq!(reg_vectors(0, &all, true), None);
-        assert_eq!(reg_vectors(1, &all, true), Some(1));
-        assert_eq!(reg_vectors(3, &all, true), Some(4)); // a thread per row
-        assert_eq!(reg_vectors(32, &all, true), Some(4)); // 128 f32 columns: 8 threads x 4
-        assert_eq!(reg_vectors(32, &[1, 2], true), Some(2)); // without v4: 16 x 2
-        assert_eq!(reg_vectors(256, &all, true), Some(4)); // 1024 f32: 64 threads x 4
-        assert_eq!(reg_vectors(1024, &all, true), Some(8)); // 4096 f32: 128 threads x 8
-        assert_eq!(reg_vectors(1024, &[1, 2, 4], true), Some(4)); // ... 256 x 4 without v8
-        assert_eq!(reg_vectors(8192, &all, true), Some(8)); // 32768 f32: 1024 x 8
-        assert_eq!(reg_vectors(8193, &all, true), None);
-        assert_eq!(reg_vectors(8192, &[1, 2, 4], true), None);
-        assert_eq!(reg_vectors(32, &all, false), Some(1)); // narrow: a warp per row of 128 f32
+        assert_eq!(reg_vectors(0, &all, Spread::Wide), None);
+        assert_eq!(reg_vectors(1, &all, Spread::Wide), Some(1));
+        assert_eq!(reg_vectors(3, &all, Spread::Wide), Some(4)); // a thread per row
+        assert_eq!(reg_vectors(32, &all, Spread::Wide), Some(4)); // 128 f32 columns: 8 threads x 4
+        assert_eq!(reg_vectors(32, &[1, 2], Spread::Wide), Some(2)); // without v4: 16 x 2
+        assert_eq!(reg_vectors(256, &all, Spread::Wide), Some(4)); // 1024 f32: 64 threads x 4
+        assert_eq!(reg_vectors(1024, &all, Spread::Wide), Some(8)); // 4096 f32: 128 threads x 8
+        assert_eq!(reg_vectors(1024, &[1, 2, 4], Spread::Wide), Some(4)); // ... 256 x 4 without v8
+        assert_eq!(reg_vectors(8192, &all, Spread::Wide), Some(8)); // 32768 f32: 1024 x 8
+        assert_eq!(reg_vectors(8193, &all, Spread::Wide), None);
+        assert_eq!(reg_vectors(8192, &[1, 2, 4], Spread::Wide), None);
+        assert_eq!(reg_vectors(32, &all, Spread::Narrow), Some(1)); // narrow: a warp per row of 128 f32
+        let bwd = [1, 2, 4];
+        assert_eq!(reg_vectors(0, &bwd, Spread::Fewest), None);
+        assert_eq!(reg_vectors(32, &bwd, Spread::Fewest), Some(1)); // 128 f32: a warp a row
+        assert_eq!(reg_vectors(1024, &bwd, Spread::Fewest), Some(1)); // 4096 f32: 1024 x 1
+        assert_eq!(reg_vectors(1025, &bwd, Spread::Fewest), Some(2));
+        assert_eq!(reg_vectors(2048, &bwd, Spread::Fewest), Some(2)); // 8192 f32: 1024 x 2
+        assert_eq!(reg_vectors(4096, &bwd, Spread::Fewest), Some(4)); // 32768 bf16: 1024 x 4
+        assert_eq!(reg_vectors(4097, &bwd, Spread::Fewest), None);
     }
 
     #[test]

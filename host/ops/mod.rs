@@ -83,8 +83,9 @@ pub(crate) fn eight_vectors_fwd(dt: kernels_gpu::DType, cols: u64) -> bool {
 /// Chooses between the register-resident instances of the row kernel `stem` (`<stem>_v<V>_<dt>`,
 /// `V` from `avail`) and its streaming one (`<stem>_stream_<dt>`) for `rows` rows of `cols`
 /// elements of `dt`: registers when the rows are whole 16-byte vectors, short enough, and the
-/// kernel's registers allow the block (see `kernels-gpu/src/rows.rs`); `wide` as in
-/// [`crate::launch::reg_vectors`]. `None` if `rows` is 0.
+/// kernel's registers allow the block (see `kernels-gpu/src/rows.rs`); the row spread over a
+/// group as `spread` says ([`crate::launch::Spread`]; `Narrow` for launches of few rows).
+/// `None` if `rows` is 0.
 pub(crate) fn row_plan(
     dev: &crate::Device,
     stem: &str,
@@ -92,7 +93,7 @@ pub(crate) fn row_plan(
     rows: u64,
     cols: u64,
     avail: &[usize],
-    wide: bool,
+    spread: crate::launch::Spread,
 ) -> Result<Option<RowPlan>> {
     use crate::launch;
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
@@ -103,10 +104,10 @@ pub(crate) fn row_plan(
     // Few rows: narrow groups, so that the rows spread over more blocks and SMs (64 rows of
     // 1024 f32 in 16 blocks of four-vector groups ran at 0.93-0.96 of PyTorch's speed, in 32
     // blocks of two-vector groups at 1.1).
-    let wide = wide && rows >= 4 * dev.sm_count() as u64;
+    let spread = if rows >= 4 * dev.sm_count() as u64 { spread } else { launch::Spread::Narrow };
     if cols > 0
         && cols.is_multiple_of(vec)
-        && let Some(v) = launch::reg_vectors(cols / vec, avail, wide)
+        && let Some(v) = launch::reg_vectors(cols / vec, avail, spread)
     {
         let g = launch::group_size(cols / vec, v as u64);
         let kernel = format!("{stem}_v{v}_{sfx}");

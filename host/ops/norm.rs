@@ -3,7 +3,7 @@
 
 use super::{check_same_device, check_same_dtype, check_same_shape, row_matches, row_plan, rows_cols, with_elem};
 use crate::error::{Error, Result};
-use crate::launch;
+use crate::launch::{self, Spread};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
@@ -134,7 +134,9 @@ fn forward_out(
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
-    if let Some(p) = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), true)? {
+    if let Some(p) =
+        row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), Spread::Wide)?
+    {
         let mean_p = ptr_mut_or_null(mean.as_mut())?;
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
@@ -311,7 +313,9 @@ fn backward_plan(
     want_params: bool,
 ) -> Result<Option<(super::RowPlan, Option<u64>)>> {
     let stem = format!("{}_bwd", kind.stem());
-    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), true)? else { return Ok(None) };
+    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
+        return Ok(None);
+    };
     // The register-resident kernel keeps each group's column sums in shared memory.
     let sums_bytes = if want_params { p.cfg.block.1 as u64 * 2 * padded(cols) as u64 * 4 } else { 0 };
     let fits = p.v.is_some() && p.cfg.shared_bytes as u64 + sums_bytes <= dev.max_shared_bytes() as u64;
@@ -348,7 +352,7 @@ pub fn norm_kernels(
     params: bool,
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
-    let fwd = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), true)?;
+    let fwd = row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), Spread::Wide)?;
     let bwd = backward_plan(dev, kind, dt, rows, cols, params)?;
     Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|(p, _)| p.kernel).unwrap_or_default()])
 }

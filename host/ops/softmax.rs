@@ -6,6 +6,7 @@ use super::{
     row_plan, rows_cols, with_elem,
 };
 use crate::error::Result;
+use crate::launch::Spread;
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
@@ -36,7 +37,8 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
     check_same_shape(op, x, y, "the output must have the input's shape")?;
     let (rows, cols) = rows_cols(op, x)?;
     let dt = x.dtype();
-    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), true)? else {
+    let Some(p) = row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Wide)?
+    else {
         return Ok(());
     };
     with_elem!(dt, |T| {
@@ -70,11 +72,12 @@ fn backward_out(op: &'static str, y: &Tensor, grad: &Tensor, log: bool, gx: &mut
     })
 }
 
-/// The backward's kernel and launch: one group per row where the row fits a block's registers,
-/// else (sm_90, rows of whole vectors) a cluster of blocks per row, else streaming.
+/// The backward's kernel and launch: one group per row where the row fits a block's registers
+/// (as many threads a row as it takes at the fewest vectors a thread: `Spread::Fewest`), else
+/// (sm_90, rows of whole vectors) a cluster of blocks per row, else streaming.
 fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan>> {
     let stem = stem(log, "bwd");
-    let Some(p) = row_plan(dev, &stem, dt, rows, cols, BWD_VECTORS, true)? else { return Ok(None) };
+    let Some(p) = row_plan(dev, &stem, dt, rows, cols, BWD_VECTORS, Spread::Fewest)? else { return Ok(None) };
     if p.v.is_some() {
         return Ok(Some(p));
     }
@@ -85,7 +88,7 @@ fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64
 /// for rows x cols of `dt` (for tests: which path a shape takes).
 #[doc(hidden)]
 pub fn softmax_kernels(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<[String; 2]> {
-    let fwd = row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), true)?;
+    let fwd = row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Wide)?;
     let bwd = backward_plan(dev, log, dt, rows, cols)?;
     Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|p| p.kernel).unwrap_or_default()])
 }
