@@ -670,6 +670,23 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
+    tests.push(test("norms/thin_half_backward", |dev: &Device| {
+        // f16/bf16 rows of 8192 would fit one 512-thread block an SM (two vectors a thread, 80
+        // registers): on sm_90 they take a cluster of 4 instead; f32 rows of 8192 stay in one
+        // block (launch rule in host/ops/norm.rs). Enough rows for the wide launch.
+        let rows = if sanitizer() { 9 } else { 600 };
+        for dt in DType::ALL {
+            for layer in [true, false] {
+                let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, 8192, true).map_err(e)?;
+                let want = if dt == DType::F32 { "_bwd_v" } else { "_bwd_c4_" };
+                if dev.compute_capability().0 >= 9 && !k.contains(want) {
+                    return Err(format!("{rows}x8192 {dt:?} runs {k}, not {want}"));
+                }
+                norm_case(dev, rows, 8192, dt, layer, true, 8192 + rows as u64, 2.0)?;
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("norms/cluster_backward", |dev: &Device| {
         // Rows too long for one block's registers, held by clusters of 4 or 8 blocks on sm_90
         // (two vectors a thread, up to 1024 threads a block): more rows than resident clusters

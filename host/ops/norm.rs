@@ -301,7 +301,8 @@ fn backward_out(
 /// The backward's kernel and launch, and the number of partial rows of dw, db it writes
 /// (`None`: it writes none, and a column pass computes them). In order of preference:
 /// - register-resident, one group per row, persistent (one wave of blocks, each with its own
-///   partial row), when the row fits one block's registers and its column sums shared memory;
+///   partial row), when the row fits one block's registers and its column sums shared memory,
+///   unless that leaves an f16/bf16 launch one block of 512 threads an SM;
 /// - register-resident in a thread-block cluster (sm_90), one partial row per cluster;
 /// - streaming.
 fn backward_plan(
@@ -321,7 +322,18 @@ fn backward_plan(
     let fits = p.v.is_some() && p.cfg.shared_bytes as u64 + sums_bytes <= dev.max_shared_bytes() as u64;
     if fits {
         p.cfg.shared_bytes += sums_bytes as u32;
-        let per_sm = dev.blocks_per_sm(&p.kernel, p.cfg.block.0 * p.cfg.block.1, p.cfg.shared_bytes)?;
+        let threads = p.cfg.block.0 * p.cfg.block.1;
+        let per_sm = dev.blocks_per_sm(&p.kernel, threads, p.cfg.shared_bytes)?;
+        // f16/bf16 rows of about 6600-8192 columns take two vectors a thread in 416-512 threads
+        // of 80 registers: one block an SM, 13-16 warps. A cluster of smaller blocks keeps more in
+        // flight: bf16 at 8192 x 8192 1999 -> 2396 GB/s (H100; f32 at 8192 columns, also one
+        // 512-thread block an SM, went the other way, 2805 -> 2701, and bf16 at 4096 columns,
+        // three 256-thread blocks, 2512 -> 1972: benches/NOTES.md, thirteenth session).
+        let thin = dt != DType::F32 && per_sm * threads < 768;
+        if thin && let Some((c, cp)) = cluster_plan(dev, &stem, dt, rows, cols, want_params)? {
+            let chunks = (cp.cfg.grid.0 / c) as u64;
+            return Ok(Some((cp, Some(chunks))));
+        }
         p.cfg.grid.0 = p.cfg.grid.0.min(dev.sm_count() * per_sm);
         let chunks = p.cfg.grid.0 as u64;
         return Ok(Some((p, Some(chunks))));
