@@ -279,8 +279,9 @@ fn launch_whole(name: &'static str, x: &Tensor, op: ReduceOp, out: u64) -> Resul
     if let Some(cfg) = plan.finish {
         with_elem!(dt, |T| {
             let args: ReduceFinalArgs<T> = (pp as *const f32, plan.parts as u64, out as *mut T, s);
-            // SAFETY: partial holds plan.parts floats, written by stage 1 (earlier on the stream).
-            unsafe { dev.launch(ks[1], cfg, args) }
+            // SAFETY: partial holds plan.parts floats, written by stage 1 (earlier on the stream);
+            // `reduce_final` waits for stage 1 before its first access.
+            unsafe { dev.launch_dependent(ks[1], cfg, args) }
         })?;
     }
     // The partials are freed stream-ordered, after stage 2.
@@ -312,8 +313,9 @@ fn launch_argmax_whole(name: &'static str, x: &Tensor, out: u64) -> Result<()> {
     })?;
     if let Some(cfg) = plan.finish {
         let args: ArgmaxFinalArgs = (pv as *const f32, pi as *const u64, plan.parts as u64, out as *mut i64);
-        // SAFETY: both partial arrays hold plan.parts entries, written by stage 1.
-        unsafe { dev.launch(ks[1], cfg, args) }?;
+        // SAFETY: both partial arrays hold plan.parts entries, written by stage 1; `argmax_final`
+        // waits for stage 1 before its first access.
+        unsafe { dev.launch_dependent(ks[1], cfg, args) }?;
     }
     drop(parts);
     Ok(())

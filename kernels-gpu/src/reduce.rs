@@ -8,7 +8,10 @@
 //!   before any is used (64 bytes in flight per thread), then the block reduces its threads with
 //!   `rows::group_reduce` (the group is the whole block) into one f32 partial per block. A grid of
 //!   one block (small tensors) writes the finished result itself: one launch.
-//! - `reduce_<op>_final`: one block combines the partials, always in the same order.
+//! - `reduce_<op>_final`: one block combines the partials, always in the same order. It is a
+//!   programmatic dependent launch on sm_90 (scheduled while stage 1 runs, waiting in
+//!   `griddepcontrol.wait`), which hides its launch latency: f32 sums of 2^28 2960 -> 2973 GB/s,
+//!   bf16 2826 -> 2850, 2^16 f32 31 -> 35.
 //!
 //! Along the last dimension (`reduce_<op>_rows`): one group of threads per row, streaming over
 //! the row with `rows::fold_row` (any length, any alignment), one group reduction per row; short
@@ -192,6 +195,8 @@ mod device {
     }
 
     pub unsafe fn reduce_part<T: Elem, O: ValueOp>(x: *const T, n: u64, partial: *mut f32, out: *mut T, scale: f32) {
+        // Stage 2 (`reduce_final`, a dependent launch) may be scheduled now: it waits for this grid.
+        launch_dependents();
         let g = Group::this();
         // SAFETY: the host passes x with n elements (a whole allocation: 16-byte aligned).
         let acc = unsafe {
@@ -227,6 +232,8 @@ mod device {
     }
 
     pub unsafe fn reduce_final<T: Elem, O: ValueOp>(partial: *const f32, parts: u64, out: *mut T, scale: f32) {
+        // Launched as a dependent of stage 1: its partials are complete and visible after this.
+        grid_dependency_wait();
         let g = Group::this();
         let mut acc = O::ID;
         let mut k = g.t as u64;
@@ -448,6 +455,8 @@ mod device {
     }
 
     pub unsafe fn argmax_part<T: Elem>(x: *const T, n: u64, part_val: *mut f32, part_idx: *mut u64, out: *mut i64) {
+        // As `reduce_part`: `argmax_final` waits for this grid.
+        launch_dependents();
         let g = Group::this();
         // SAFETY: as `reduce_part`.
         let best = unsafe {
@@ -484,6 +493,8 @@ mod device {
     }
 
     pub unsafe fn argmax_final(part_val: *const f32, part_idx: *const u64, parts: u64, out: *mut i64) {
+        // As `reduce_final`.
+        grid_dependency_wait();
         let g = Group::this();
         let mut acc = pack((f32::NEG_INFINITY, NONE));
         let mut k = g.t as u64;
