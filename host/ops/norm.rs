@@ -314,6 +314,13 @@ fn backward_plan(
     want_params: bool,
 ) -> Result<Option<(super::RowPlan, Option<u64>)>> {
     let stem = format!("{}_bwd", kind.stem());
+    // The cluster kernel's launch and its partial rows of dw, db: one per cluster.
+    let cluster = || -> Result<Option<(super::RowPlan, Option<u64>)>> {
+        Ok(cluster_plan(dev, &stem, dt, rows, cols, want_params)?.map(|(c, p)| {
+            let chunks = (p.cfg.grid.0 / c) as u64;
+            (p, Some(chunks))
+        }))
+    };
     let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
         return Ok(None);
     };
@@ -330,17 +337,15 @@ fn backward_plan(
         // 512-thread block an SM, went the other way, 2805 -> 2701, and bf16 at 4096 columns,
         // three 256-thread blocks, 2512 -> 1972: benches/NOTES.md, thirteenth session).
         let thin = dt != DType::F32 && per_sm * threads < 768;
-        if thin && let Some((c, cp)) = cluster_plan(dev, &stem, dt, rows, cols, want_params)? {
-            let chunks = (cp.cfg.grid.0 / c) as u64;
-            return Ok(Some((cp, Some(chunks))));
+        if thin && let Some(plan) = cluster()? {
+            return Ok(Some(plan));
         }
         p.cfg.grid.0 = p.cfg.grid.0.min(dev.sm_count() * per_sm);
         let chunks = p.cfg.grid.0 as u64;
         return Ok(Some((p, Some(chunks))));
     }
-    if let Some((c, p)) = cluster_plan(dev, &stem, dt, rows, cols, want_params)? {
-        let chunks = (p.cfg.grid.0 / c) as u64;
-        return Ok(Some((p, Some(chunks))));
+    if let Some(plan) = cluster()? {
+        return Ok(Some(plan));
     }
     if p.v.is_some() {
         let kernel = format!("{stem}_stream_{}", dt.suffix());
