@@ -1,4 +1,4 @@
-//! The runtime: one [`Device`] per GPU, holding its context, its stream and the kernel module.
+//! The runtime: one [`Device`] per GPU, holding its context, its stream and the kernel modules.
 //!
 //! This is the only module that talks to the CUDA driver (through `cudarc`'s thin `result`/`sys`
 //! layer). Everything unsafe about the driver is here, each call with the invariant it relies
@@ -57,6 +57,31 @@ pub fn ptx() -> &'static str {
     ptx_for(PTX_ARCHES[0]).expect("embedded")
 }
 
+/// One op's module of the PTX for `arch` (`kernels_gpu::ptx_modules`): its text for the driver
+/// and its entries.
+struct PtxModule {
+    key: String,
+    text: CString,
+    entries: Vec<String>,
+}
+
+/// The PTX for `arch` cut into one module per op (split on first use, shared by the devices).
+fn modules_for(arch: &str) -> Option<&'static [PtxModule]> {
+    static MODULES: [OnceLock<Vec<PtxModule>>; 2] = [OnceLock::new(), OnceLock::new()];
+    let i = PTX_DEFLATED.iter().position(|(a, _)| *a == arch)?;
+    let ptx = ptx_for(arch)?;
+    Some(MODULES[i].get_or_init(|| {
+        kernels_gpu::ptx_modules::split(ptx)
+            .into_iter()
+            .map(|m| PtxModule {
+                key: m.key,
+                text: CString::new(m.text).expect("PTX has no NUL bytes"),
+                entries: m.entries,
+            })
+            .collect()
+    }))
+}
+
 /// Grid and block of a launch, plus its dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
@@ -65,9 +90,17 @@ pub struct LaunchConfig {
     pub shared_bytes: u32,
 }
 
-/// A kernel of the loaded module.
+/// A kernel of the library: its name, its op's module, and its function once that is loaded.
 struct Kernel {
     name: String,
+    /// Index into `Inner::modules`.
+    module: usize,
+    func: OnceLock<Func>,
+}
+
+/// A loaded kernel function and what the launch logic asks of it.
+#[derive(Clone, Copy)]
+struct Func {
     func: sys::CUfunction,
     /// Resident blocks per SM at 256 threads: the grid-stride kernels launch one full wave.
     blocks_per_sm_256: u32,
@@ -75,18 +108,27 @@ struct Kernel {
     max_threads: u32,
 }
 
+/// An op's module on this device, loaded (compiled by the driver) on first use of one of its
+/// kernels: see `kernels_gpu::ptx_modules` for why not all at once.
+struct Module {
+    ptx: &'static PtxModule,
+    handle: OnceLock<sys::CUmodule>,
+    /// Held while the module loads, so that two threads do not load it twice.
+    loading: Mutex<()>,
+}
+
 struct Inner {
     ordinal: usize,
     name: String,
     compute_capability: (i32, i32),
-    /// The architecture of the loaded PTX module (see [`Device::ptx_arch`]).
+    /// The architecture of the loaded PTX (see [`Device::ptx_arch`]).
     ptx_arch: &'static str,
     sm_count: u32,
     /// Opt-in maximum of dynamic shared memory per block, in bytes.
     max_shared: u32,
     ctx: sys::CUcontext,
     stream: sys::CUstream,
-    module: sys::CUmodule,
+    modules: Vec<Module>,
     kernels: Vec<Kernel>,
     by_name: HashMap<String, usize>,
     /// Index of the last kernel launched, to name it when a later synchronisation reports that a
@@ -160,8 +202,9 @@ pub fn device_count() -> Result<usize> {
 }
 
 impl Device {
-    /// GPU `ordinal`, initialised on first use (context, stream, module load, kernel lookup);
-    /// later calls return the same device.
+    /// GPU `ordinal`, initialised on first use (context, stream, the choice of PTX); later calls
+    /// return the same device. Each op's kernels are loaded on the op's first use: with an empty
+    /// JIT cache the driver compiles them then (a second or two; the GEMM tiles a few seconds).
     pub fn cuda(ordinal: usize) -> Result<Device> {
         let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
         let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
@@ -188,8 +231,8 @@ impl Device {
     pub fn ptx_arch(&self) -> &'static str {
         self.0.ptx_arch
     }
-    /// Whether the loaded module has kernel `name` (the `sm_90` module has kernels that the
-    /// `sm_80` one lacks).
+    /// Whether the device's PTX has kernel `name` (the `sm_90` PTX has kernels that the `sm_80`
+    /// one lacks). Loads nothing.
     pub(crate) fn has_kernel(&self, name: &str) -> bool {
         self.0.by_name.contains_key(name)
     }
@@ -313,14 +356,14 @@ impl Device {
 
     /// Resident 256-thread blocks per SM for `kernel`.
     pub(crate) fn blocks_per_sm_256(&self, kernel: &str) -> Result<u32> {
-        let i = self.kernel_index(kernel)?;
-        Ok(self.0.kernels[i].blocks_per_sm_256)
+        Ok(self.func(self.kernel_index(kernel)?)?.blocks_per_sm_256)
     }
 
     /// Resident blocks per SM of `kernel` launched with `threads` threads and `smem` bytes of
     /// dynamic shared memory (at least 1).
     pub(crate) fn blocks_per_sm(&self, kernel: &str, threads: u32, smem: u32) -> Result<u32> {
         let i = self.kernel_index(kernel)?;
+        let func = self.func(i)?.func;
         let key = (i, threads, smem);
         if let Some(&b) = self.0.occupancy.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
             return Ok(b);
@@ -329,14 +372,9 @@ impl Device {
         let mut blocks = 0i32;
         // SAFETY: the function belongs to this device's module; the out-pointer is a local.
         unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut blocks,
-                self.0.kernels[i].func,
-                threads as i32,
-                smem as usize,
-            )
-            .result()
-            .map_err(|e| driver("occupancy", e))?;
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, func, threads as i32, smem as usize)
+                .result()
+                .map_err(|e| driver("occupancy", e))?;
         }
         let b = blocks.max(1) as u32;
         self.0.occupancy.lock().unwrap_or_else(|p| p.into_inner()).insert(key, b);
@@ -348,7 +386,7 @@ impl Device {
     /// memory per block; 0 when not one fits. Clusters must fit in one GPC each, so this is not
     /// simply SMs / cluster size: a persistent grid of more clusters than this runs in two waves.
     pub(crate) fn max_active_clusters(&self, kernel: &str, cluster: u32, threads: u32, smem: u32) -> Result<u32> {
-        let i = self.kernel_index(kernel)?;
+        let func = self.func(self.kernel_index(kernel)?)?.func;
         self.bind()?;
         let config = sys::CUlaunchConfig {
             gridDimX: cluster,
@@ -366,7 +404,7 @@ impl Device {
         // SAFETY: the function belongs to this device's module; config and the out-pointer are
         // locals. No attributes: the kernel's compile-time cluster size applies.
         unsafe {
-            sys::cuOccupancyMaxActiveClusters(&mut n, self.0.kernels[i].func, &config)
+            sys::cuOccupancyMaxActiveClusters(&mut n, func, &config)
                 .result()
                 .map_err(|e| driver("cluster occupancy", e))?;
         }
@@ -381,12 +419,31 @@ impl Device {
 
     /// The largest block `kernel` can be launched with.
     pub(crate) fn max_threads(&self, kernel: &str) -> Result<u32> {
-        let i = self.kernel_index(kernel)?;
-        Ok(self.0.kernels[i].max_threads)
+        Ok(self.func(self.kernel_index(kernel)?)?.max_threads)
     }
 
     fn kernel_index(&self, name: &str) -> Result<usize> {
         self.0.by_name.get(name).copied().ok_or_else(|| Error::KernelNotFound { name: name.into() })
+    }
+
+    /// Kernel `i`'s function, loading its module first if this is the module's first use.
+    fn func(&self, i: usize) -> Result<Func> {
+        if let Some(f) = self.0.kernels[i].func.get() {
+            return Ok(*f);
+        }
+        let m = &self.0.modules[self.0.kernels[i].module];
+        let _loading = m.loading.lock().unwrap_or_else(|p| p.into_inner());
+        if m.handle.get().is_none() {
+            self.bind()?;
+            // SAFETY: a NUL-terminated PTX string; the driver copies what it needs.
+            let handle =
+                unsafe { result::module::load_data(m.ptx.text.as_ptr() as *const _) }.map_err(|e| Error::Driver {
+                    op: "loading a kernel module",
+                    message: format!("{} ({}): {e:?}", m.ptx.key, self.0.ptx_arch),
+                })?;
+            self.0.install(m, handle)?;
+        }
+        Ok(*self.0.kernels[i].func.get().expect("installed with its module"))
     }
 
     /// Launches kernel `name` with `args`, whose type is the kernel's declared signature
@@ -425,9 +482,9 @@ impl Device {
     unsafe fn launch_with<A: KernelArgs>(&self, name: &str, cfg: LaunchConfig, args: A, dependent: bool) -> Result<()> {
         self.bind()?;
         let i = self.kernel_index(name)?;
+        let func = self.func(i)?.func;
         let mut params = args.param_ptrs();
         self.0.last_launch.store(i, Ordering::Relaxed);
-        let func = self.0.kernels[i].func;
         let launched = if dependent {
             // SAFETY: plain C structs, all fields set below or zero.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -777,73 +834,39 @@ impl Inner {
             .result()
             .map_err(|e| driver(op, e))?;
         }
-        // The newest module the GPU runs; should the driver refuse it (a driver older than
-        // the PTX ISA version: sm_90's is 8.1, CUDA 12.1), the next older one, down to sm_80.
+        // The newest PTX the GPU runs; should the driver refuse it (a driver older than the PTX
+        // ISA version: sm_90's is 8.1, CUDA 12.1), the next older one, down to sm_80. The
+        // version is the same in every module of a PTX, so its smallest module decides, and
+        // stays loaded.
         let newest = PTX_ARCHES.iter().position(|&a| a == ptx_arch_for(compute_capability)).unwrap_or(0);
         let mut loaded = None;
         let mut refused = Vec::new();
         for &arch in PTX_ARCHES[..=newest].iter().rev() {
-            let ptx = ptx_for(arch).expect("an embedded architecture");
-            let image = CString::new(ptx).expect("PTX has no NUL bytes");
-            // SAFETY: `image` is a NUL-terminated PTX string; the driver copies what it needs.
-            match unsafe { result::module::load_data(image.as_ptr() as *const _) } {
-                Ok(m) => {
-                    loaded = Some((m, ptx, arch));
+            let modules = modules_for(arch).expect("an embedded architecture");
+            let (probe, m) = modules.iter().enumerate().min_by_key(|(_, m)| m.text.as_bytes().len()).expect("kernels");
+            // SAFETY: a NUL-terminated PTX string; the driver copies what it needs.
+            match unsafe { result::module::load_data(m.text.as_ptr() as *const _) } {
+                Ok(h) => {
+                    loaded = Some((arch, modules, probe, h));
                     break;
                 }
                 Err(e) => refused.push(format!("{arch}: {e:?}")),
             }
         }
-        let Some((module, ptx, ptx_arch)) = loaded else {
+        let Some((ptx_arch, ptx_modules, probe, probe_handle)) = loaded else {
             return Err(Error::Driver { op: "loading the kernel module", message: refused.join("; ") });
         };
+        let mut modules = Vec::with_capacity(ptx_modules.len());
         let mut kernels = Vec::new();
         let mut by_name = HashMap::new();
-        for name in kernels_gpu::ptx_entries(ptx).map(str::to_string) {
-            let cname = CString::new(name.clone()).expect("kernel names have no NUL bytes");
-            // SAFETY: module is loaded; the name is an entry of its PTX.
-            let func = unsafe { result::module::get_function(module, cname) }
-                .map_err(|_| Error::KernelNotFound { name: name.clone() })?;
-            let mut blocks = 0i32;
-            // SAFETY: func is valid; the out-pointer is a local.
-            unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, func, 256, 0)
-                    .result()
-                    .map_err(|e| driver(op, e))?;
+        for (mi, m) in ptx_modules.iter().enumerate() {
+            modules.push(Module { ptx: m, handle: OnceLock::new(), loading: Mutex::new(()) });
+            for name in &m.entries {
+                by_name.insert(name.clone(), kernels.len());
+                kernels.push(Kernel { name: name.clone(), module: mi, func: OnceLock::new() });
             }
-            // Beyond 48 KiB of dynamic shared memory a kernel must opt in; all do, to the
-            // device's limit (the norms' backward keeps column sums there).
-            // SAFETY: as above.
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    func,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max_shared as i32,
-                )
-                .result()
-                .map_err(|e| driver(op, e))?;
-            }
-            // The largest block this kernel can be launched with (its registers decide).
-            let mut max_threads = 0i32;
-            // SAFETY: as above.
-            unsafe {
-                sys::cuFuncGetAttribute(
-                    &mut max_threads,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-                    func,
-                )
-                .result()
-                .map_err(|e| driver(op, e))?;
-            }
-            by_name.insert(name.clone(), kernels.len());
-            kernels.push(Kernel {
-                name,
-                func,
-                blocks_per_sm_256: blocks.max(1) as u32,
-                max_threads: max_threads.max(0) as u32,
-            });
         }
-        Ok(Inner {
+        let inner = Inner {
             ordinal,
             name,
             compute_capability,
@@ -852,7 +875,7 @@ impl Inner {
             max_shared,
             ctx,
             stream,
-            module,
+            modules,
             kernels,
             by_name,
             last_launch: AtomicUsize::new(usize::MAX),
@@ -861,7 +884,68 @@ impl Inner {
             poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
             pool: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
-        })
+        };
+        inner.install(&inner.modules[probe], probe_handle)?;
+        Ok(inner)
+    }
+
+    /// Looks up the kernels of `m`, just loaded as `handle` (with this device's context
+    /// current), sets what every launch may need, and marks the module loaded. On an error the
+    /// module is unloaded and stays unloaded.
+    fn install(&self, m: &Module, handle: sys::CUmodule) -> Result<()> {
+        let op = "loading a kernel module";
+        let lookup = || -> Result<Vec<Func>> {
+            m.ptx
+                .entries
+                .iter()
+                .map(|name| {
+                    let cname = CString::new(name.as_str()).expect("kernel names have no NUL bytes");
+                    // SAFETY: the module is loaded; the name is an entry of its PTX.
+                    let func = unsafe { result::module::get_function(handle, cname) }
+                        .map_err(|_| Error::KernelNotFound { name: name.clone() })?;
+                    let mut blocks = 0i32;
+                    let mut max_threads = 0i32;
+                    // SAFETY: func is valid; the out-pointers are locals.
+                    unsafe {
+                        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, func, 256, 0)
+                            .result()
+                            .map_err(|e| driver(op, e))?;
+                        // Beyond 48 KiB of dynamic shared memory a kernel must opt in; all do,
+                        // to the device's limit (the norms' backward keeps column sums there).
+                        sys::cuFuncSetAttribute(
+                            func,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            self.max_shared as i32,
+                        )
+                        .result()
+                        .map_err(|e| driver(op, e))?;
+                        // The largest block this kernel can be launched with (its registers
+                        // decide).
+                        sys::cuFuncGetAttribute(
+                            &mut max_threads,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                            func,
+                        )
+                        .result()
+                        .map_err(|e| driver(op, e))?;
+                    }
+                    Ok(Func { func, blocks_per_sm_256: blocks.max(1) as u32, max_threads: max_threads.max(0) as u32 })
+                })
+                .collect()
+        };
+        let funcs = match lookup() {
+            Ok(f) => f,
+            Err(e) => {
+                // SAFETY: loaded above and not handed out.
+                let _ = unsafe { result::module::unload(handle) };
+                return Err(e);
+            }
+        };
+        for (name, f) in m.ptx.entries.iter().zip(funcs) {
+            let _ = self.kernels[self.by_name[name]].func.set(f);
+        }
+        let _ = m.handle.set(handle);
+        Ok(())
     }
 }
 
@@ -876,7 +960,11 @@ impl Drop for Inner {
                 }
                 let _ = result::stream::synchronize(self.stream);
                 let _ = result::stream::destroy(self.stream);
-                let _ = result::module::unload(self.module);
+                for m in &self.modules {
+                    if let Some(&h) = m.handle.get() {
+                        let _ = result::module::unload(h);
+                    }
+                }
                 if let Ok(dev) = result::device::get(self.ordinal as i32) {
                     let _ = result::primary_ctx::release(dev);
                 }

@@ -158,6 +158,46 @@ fn cluster_kernels_declare_their_cluster_size() {
     assert!(seen >= 12, "found {seen} cluster kernels");
 }
 
+/// The modules the host loads per op (`kernels_gpu::ptx_modules`) hold every entry of the PTX
+/// exactly once, each with the PTX's header and the functions its entries call. (That each
+/// assembles on its own is checked by `cargo xtask build-ptx` with ptxas.)
+#[test]
+fn ptx_modules_partition_the_entries() {
+    use kernels_gpu::ptx_modules::{module_key, split};
+    for arch in PTX_ARCHES {
+        let ptx = ptx_for(arch).unwrap();
+        let t = std::time::Instant::now();
+        let modules = split(ptx);
+        let took = t.elapsed();
+        let header: String = ptx.lines().take_while(|l| !l.starts_with(".extern") && !l.starts_with(".func")).collect();
+        let mut seen = BTreeMap::new();
+        for m in &modules {
+            assert!(m.text.lines().collect::<String>().starts_with(&header), "{arch} {}: no header", m.key);
+            let own: Vec<&str> = kernels_gpu::ptx_entries(&m.text).collect();
+            assert_eq!(own, m.entries, "{arch} {}", m.key);
+            for e in &m.entries {
+                assert_eq!(module_key(e), m.key);
+                assert!(seen.insert(e.clone(), m.key.clone()).is_none(), "{arch}: {e} in two modules");
+            }
+            // Every function called is declared there (ptxas, in xtask, checks the rest).
+            for call in m.text.lines().filter_map(|l| l.trim_start().strip_prefix("call.uni")) {
+                let callee = call.split([',', ';']).map(str::trim).find(|p| !p.is_empty() && !p.starts_with('('));
+                let callee = callee.unwrap_or_else(|| panic!("{arch} {}: cannot read `{call}`", m.key));
+                assert!(
+                    m.text.lines().any(|l| l.starts_with(".func") && l.contains(callee)),
+                    "{arch} {}: calls {callee}, not declared there",
+                    m.key
+                );
+            }
+        }
+        let all: Vec<String> = kernels_gpu::ptx_entries(ptx).map(str::to_string).collect();
+        assert_eq!(seen.len(), all.len(), "{arch}");
+        assert!(all.iter().all(|e| seen.contains_key(e)));
+        assert!(modules.len() >= 60, "{arch}: {} modules", modules.len());
+        println!("{arch}: {} kernels in {} modules, split in {took:?}", all.len(), modules.len());
+    }
+}
+
 #[test]
 fn ptx_is_for_the_configured_architecture() {
     for arch in PTX_ARCHES {

@@ -8,7 +8,8 @@
 //! Layout: `prim` (nvptx64 only) holds every device primitive (indices, barriers, shuffles, shared memory,
 //! 16-byte loads and stores, conversions); [`kernel`](mod@kernel), [`dtype`], [`ops`], [`math`],
 //! [`fastmath`] and [`rows`] are what the kernels share (signatures, storage types, the op
-//! formulas, the math, the row machinery); every other module is one kernel family.
+//! formulas, the math, the row machinery); `ptx_modules` (host only) cuts the built PTX into the
+//! modules the host loads per op; every other module is one kernel family.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
 #![feature(core_float_math)]
@@ -45,6 +46,8 @@ pub mod ops;
 pub mod optim;
 #[cfg(target_arch = "nvptx64")]
 pub mod prim;
+#[cfg(not(target_arch = "nvptx64"))]
+pub mod ptx_modules;
 pub mod reduce;
 pub mod rows;
 pub mod softmax;

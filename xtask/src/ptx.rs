@@ -98,6 +98,8 @@ pub fn build_ptx_cmd(o: &BuildPtxOpts) -> Result<(), String> {
         println!("{w}");
     }
 
+    check_modules(&ptxas, &ptx, &o.arch, &o.out)?;
+
     let funcs = parse_ptxas_verbose(&text);
     let report = Report::new(&entries, &funcs)?;
     print!("{}", report.table());
@@ -115,6 +117,72 @@ pub fn build_ptx_cmd(o: &BuildPtxOpts) -> Result<(), String> {
             ));
         }
     }
+    Ok(())
+}
+
+/// Assembles each of the modules the host loads on first use (`kernels_gpu::ptx_modules`) on its
+/// own, so that a reference the split missed fails here and not on a user's GPU. Parallel: about
+/// a hundred ptxas runs, most of a second each.
+fn check_modules(ptxas: &Path, ptx: &str, arch: &str, out: &Path) -> Result<(), String> {
+    let t = Instant::now();
+    let modules = kernels_gpu::ptx_modules::split(ptx);
+    let dir = out.join(format!("modules-{arch}"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut jobs = Vec::new();
+    for m in &modules {
+        let path = dir.join(format!("{}.ptx", m.key));
+        std::fs::write(&path, &m.text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        jobs.push(path);
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(16);
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut failed = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(path) = jobs.get(i) else { break };
+                        let run = Command::new(ptxas)
+                            .arg(format!("-arch={arch}"))
+                            .arg(path)
+                            .arg("-o")
+                            .arg(path.with_extension("cubin"))
+                            .output();
+                        match run {
+                            Ok(o) if o.status.success() => {}
+                            Ok(o) => failed.push(format!(
+                                "{}: {}",
+                                path.display(),
+                                String::from_utf8_lossy(&o.stderr).lines().take(5).collect::<Vec<_>>().join("; ")
+                            )),
+                            Err(e) => failed.push(format!("{}: cannot run ptxas: {e}", path.display())),
+                        }
+                    }
+                    failed
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|_| vec!["a ptxas worker panicked".into()])).collect()
+    });
+    if !failures.is_empty() {
+        return Err(format!(
+            "{} of {} modules do not assemble on their own:\n  {}",
+            failures.len(),
+            modules.len(),
+            failures.join("\n  ")
+        ));
+    }
+    let largest = modules.iter().max_by_key(|m| m.text.len()).expect("the PTX has kernels");
+    println!(
+        "{} modules (one per op) assemble on their own, in {:.1} s; largest {} ({} KiB); in {}",
+        modules.len(),
+        t.elapsed().as_secs_f64(),
+        largest.key,
+        largest.text.len() / 1024,
+        dir.display()
+    );
     Ok(())
 }
 
