@@ -58,23 +58,35 @@ mod device {
     /// Layer norm (centred) or RMS norm.
     pub trait Norm {
         const CENTER: bool;
-        /// L1 policy of the register-resident forward's weight loads. Every block (one row each)
-        /// reads the whole weight after its reductions, from L2 unless L1 still has it from
-        /// the SM's previous row. RMS norm's weight alone (128 KB at 32768 f32) fits beside the
-        /// row's loads, and `evict_last` keeps it: 2884 -> 2922 GB/s at 4096 x 32768 f32,
-        /// other shapes unchanged. Layer norm's weight and bias (256 KB) do not: `evict_last`
-        /// on the weight left it unchanged, and with the bias `no_allocate` it fell 15%.
-        const WEIGHT_L1: L1;
+        /// L1 policies of the register-resident forward's loads of `x`, the weight and the bias,
+        /// at `V` vectors a thread. Every block (one row each) reads the whole weight and bias
+        /// after its reductions, from L2 unless L1 still has them from the SM's previous row.
+        fn fwd_l1<const V: usize>() -> [L1; 3];
     }
     pub struct Layer;
     pub struct Rms;
     impl Norm for Layer {
         const CENTER: bool = true;
-        const WEIGHT_L1: L1 = L1::Normal;
+        /// At eight vectors a thread (f32 rows over 2048 columns, f16/bf16 over 16384): the row
+        /// not kept in L1, weight and bias `evict_last`. H100, GB/s: f32 4096 x 32768 2657 ->
+        /// 2727, 16384 x 4096 2784 -> 2877, 8192 x 8192 2789 -> 2874; bf16 4096 x 32768 2773 ->
+        /// 2806. At four vectors (shorter rows) the same policies lost 1-2.4% (f32 at 1024 and
+        /// 128 columns, bf16 at 8192 and below), so those keep the defaults; with the row's
+        /// loads normal and the parameters `evict_last`, f32 at 32768 lost 4%, and with the last
+        /// quarter of the bias `no_allocate` 1% (benches/NOTES.md, fifteenth session).
+        fn fwd_l1<const V: usize>() -> [L1; 3] {
+            if V == 8 { [L1::NoAllocate, L1::EvictLast, L1::EvictLast] } else { [L1::Normal; 3] }
+        }
     }
     impl Norm for Rms {
         const CENTER: bool = false;
-        const WEIGHT_L1: L1 = L1::EvictLast;
+        /// RMS norm's weight alone (128 KB at 32768 f32) fits beside the row's loads, and
+        /// `evict_last` keeps it: 2884 -> 2922 GB/s at 4096 x 32768 f32, other shapes unchanged.
+        /// (Layer norm's weight and bias, 256 KB, did not with the row's loads normal: the
+        /// weight `evict_last` left it unchanged, and with the bias `no_allocate` it fell 15%.)
+        fn fwd_l1<const V: usize>() -> [L1; 3] {
+            [L1::Normal, L1::EvictLast, L1::Normal]
+        }
     }
 
     /// `(mean, rstd)` of a row from `(count, mean, sum of squared deviations)` (layer) or
@@ -156,8 +168,29 @@ mod device {
         let nvec = cols / T::VEC as u64;
         let mut red = RowReducer::<1>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
+        let [x_l1, w_l1, b_l1] = N::fwd_l1::<V>();
         // SAFETY: rows are whole vectors (host-checked), so every row starts 16-byte aligned.
-        let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
+        let raw = if x_l1 == L1::Normal {
+            unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) }
+        } else {
+            // `load_row`'s loads with the policy, each addressed from its slot's column as the
+            // output's stores are: written as `load_row` with a policy, ptxas allocated the
+            // eight-vector f32 kernel differently and it ran 5% slower (2597 against 2733 GB/s
+            // at 4096 x 32768).
+            let mut raw = [[0u32; 4]; V];
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    if slot_present(&g, s, nvec, ok) {
+                        // SAFETY: slot s is inside row `row` (whole vectors).
+                        raw[s] = unsafe {
+                            ld_global_nc_v4_l1(x.add(off + slot_col::<T>(&g, s) as usize) as *const u32, x_l1)
+                        };
+                    }
+                },
+            );
+            raw
+        };
         // The row is in registers: the exact two-pass variance, as two sum reductions (the mean,
         // then the squared deviations from it), cheaper than merging (count, mean, M2) triples,
         // whose merge divides.
@@ -203,7 +236,7 @@ mod device {
                 if slot_present(&g, s, nvec, ok) {
                     let c = slot_col::<T>(&g, s);
                     // SAFETY: c + VEC <= cols, aligned (cols is a multiple of VEC).
-                    let (wv, bv) = unsafe { (params_l1(w, c, true, 1.0, N::WEIGHT_L1), params(b, c, true, 0.0)) };
+                    let (wv, bv) = unsafe { (params_l1(w, c, true, 1.0, w_l1), params_l1(b, c, true, 0.0, b_l1)) };
                     // Unpacked again from the packed registers (see `prim::opaque`).
                     let mut v = T::unpack(opaque(raw[s]));
                     for_lanes::<T>(
