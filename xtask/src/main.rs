@@ -1,7 +1,8 @@
 //! Project chores, run as `cargo xtask <command>` (alias in `.cargo/config.toml`).
 //!
 //! - `build-ptx`: compiles `kernels-gpu` to PTX for one architecture and, when `ptxas` can be
-//!   found, assembles it and reports registers, shared memory, stack frames and spills per kernel.
+//!   found, assembles it and reports registers, shared memory, stack frames and spills per kernel,
+//!   and assembles each per-op module the host loads (`kernels_gpu::ptx_modules`) on its own.
 //! - `gpu-bundle`: builds the test, bench and example binaries in release and packs them, with
 //!   the PTX and two shell scripts, into one folder that runs on a GPU machine without Rust.
 
@@ -42,8 +43,9 @@ OPTIONS:
 Writes DIR/kernels-<ARCH>.ptx. ptxas is looked for in $PTXAS, then on PATH, then in the pip
 wheel nvidia-cuda-nvcc-cu12 (`pip install nvidia-cuda-nvcc-cu12`). When found, it assembles
 the PTX to DIR/kernels-<ARCH>.cubin and prints, per kernel, registers, shared memory, stack
-frame, spill stores/loads and barriers. Fails if ptxas fails, or if any kernel spills or has a
-stack frame (unless --allow-spills).
+frame, spill stores/loads and barriers. It also assembles each of the per-op modules the library
+loads on first use (DIR/modules-<ARCH>/<op>.ptx) on its own. Fails if ptxas fails on the PTX or
+on a module, or if any kernel spills or has a stack frame (unless --allow-spills).
 ";
 
 const GPU_BUNDLE_HELP: &str = "\
