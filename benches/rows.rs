@@ -12,8 +12,9 @@
 //! KERNELS_BENCH_SHAPES=4092x32768,4096x32768 cargo bench --bench rows -- 'f32/fwd/layer_norm'
 //! ```
 //!
-//! `KERNELS_BENCH_SHAPES` (comma-separated `ROWSxCOLS`) replaces the suite's shapes for softmax and
-//! the norms, for studies of one kernel across shapes.
+//! `KERNELS_BENCH_SHAPES` (comma-separated `ROWSxCOLS`) replaces the suite's shapes for softmax,
+//! the norms and transpose (f32 and bf16 at each), for studies of one kernel across shapes;
+//! `benches/torch_rows.py` reads it too.
 //!
 //! Names: `rows/<dtype>/<fwd|bwd|fwdbwd>/<op>@<rows>x<cols>/<rows*cols>`. GB/s counts each
 //! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
@@ -189,10 +190,18 @@ fn cases() -> Vec<Case> {
     }
     v.push(case(Op::SumAll, "fwd", DType::F32, 64, 1024));
     v.push(case(Op::SumRows, "fwd", DType::F32, 64, 1024));
-    for dt in [DType::F32, DType::BF16] {
-        v.push(case(Op::Transpose, "fwd", dt, 8192, 8192));
+    if std::env::var_os("KERNELS_BENCH_SHAPES").is_some() {
+        for dt in [DType::F32, DType::BF16] {
+            for (r, c) in shapes() {
+                v.push(case(Op::Transpose, "fwd", dt, r, c));
+            }
+        }
+    } else {
+        for dt in [DType::F32, DType::BF16] {
+            v.push(case(Op::Transpose, "fwd", dt, 8192, 8192));
+        }
+        v.push(case(Op::Transpose, "fwd", DType::F32, 64, 1024));
     }
-    v.push(case(Op::Transpose, "fwd", DType::F32, 64, 1024));
     v
 }
 

@@ -10,9 +10,11 @@ aten._softmax_backward_data / _log_softmax_backward_data from the forward's outp
 aten.native_layer_norm_backward from the saved mean and rstd (with weight and bias gradients),
 and, for RMS norm (a composite op in eager PyTorch), torch.autograd.grad over a retained graph.
 Cross-entropy is F.cross_entropy forward and backward (autograd) together. Bytes are counted
-as in the Rust bench.
+as in the Rust bench. KERNELS_BENCH_SHAPES (comma-separated ROWSxCOLS) replaces the shapes of
+softmax, the norms and transpose, as in the Rust bench.
 """
 import json
+import os
 import re
 import sys
 
@@ -24,6 +26,9 @@ aten = torch.ops.aten
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)]
+CUSTOM = os.environ.get("KERNELS_BENCH_SHAPES")
+if CUSTOM:
+    SHAPES = [tuple(int(d) for d in s.strip().split("x")) for s in CUSTOM.split(",")]
 g_ = torch.Generator(device=dev).manual_seed(0)
 
 
@@ -47,8 +52,11 @@ def cases():
         out += [("sum", "fwd", dt, 1 << 18, 1 << 10), ("sum_rows", "fwd", dt, 1 << 18, 1 << 10)]
     out += [("sum_cols", "fwd", dt, 8192, 4096) for dt in DTYPES]
     out += [("sum", "fwd", "f32", 64, 1024), ("sum_rows", "fwd", "f32", 64, 1024)]
-    out += [("transpose", "fwd", dt, 8192, 8192) for dt in DTYPES]
-    out += [("transpose", "fwd", "f32", 64, 1024)]
+    if CUSTOM:
+        out += [("transpose", "fwd", dt, r, c) for dt in DTYPES for r, c in SHAPES]
+    else:
+        out += [("transpose", "fwd", dt, 8192, 8192) for dt in DTYPES]
+        out += [("transpose", "fwd", "f32", 64, 1024)]
     return out
 
 

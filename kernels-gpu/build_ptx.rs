@@ -115,9 +115,17 @@ pub fn cluster_size(kernel: &str) -> Option<u32> {
     kernel.split('_').find_map(|part| part.strip_prefix('c')?.parse::<u32>().ok()).filter(|&c| c > 1)
 }
 
+/// Blocks of a kernel whose whole grid is one cluster, from its name `<family>_k<K>_...` (sm_90
+/// only, e.g. `rms_norm_bwd_k8_v2_bf16`): `.reqnctapercluster K, 1, 1` as [`cluster_size`], with
+/// `.maxntid 512` (blocks of up to 512 threads, 128 registers).
+pub fn one_cluster_size(kernel: &str) -> Option<u32> {
+    kernel.split('_').find_map(|part| part.strip_prefix('k')?.parse::<u32>().ok()).filter(|&c| c > 1)
+}
+
 /// Inserts `.maxntid N, 1, 1` after the parameter list of every entry with a [`launch_bound`],
 /// `.maxntid` with `.minnctapersm` after every GEMM tile kernel's ([`gemm_launch_bounds`]),
-/// and `.maxntid 1024` with `.reqnctapercluster` after every cluster kernel's ([`cluster_size`]).
+/// `.maxntid 1024` with `.reqnctapercluster` after every cluster kernel's ([`cluster_size`]), and
+/// `.maxntid 512` with it after every single-cluster kernel's ([`one_cluster_size`]).
 pub fn add_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut pending: Option<String> = None;
@@ -132,6 +140,9 @@ pub fn add_launch_bounds(ptx: &str) -> String {
             let name = rest.split('(').next().unwrap_or(rest).trim();
             pending = cluster_size(name)
                 .map(|c| format!(".maxntid 1024, 1, 1\n.reqnctapercluster {c}, 1, 1\n"))
+                .or_else(|| {
+                    one_cluster_size(name).map(|k| format!(".maxntid 512, 1, 1\n.reqnctapercluster {k}, 1, 1\n"))
+                })
                 .or_else(|| launch_bound(name).map(|n| format!(".maxntid {n}, 1, 1\n")))
                 .or_else(|| {
                     gemm_launch_bounds(name).map(|(t, b)| match b {

@@ -109,7 +109,20 @@ fn host_kernels() -> BTreeMap<String, usize> {
 
 /// Kernels that only the sm_90 module has: thread-block cluster kernels, `<stem>_c<C>_...`.
 fn sm90_only(name: &str) -> bool {
-    name.split('_').any(|p| p.strip_prefix('c').and_then(|n| n.parse::<u32>().ok()).is_some_and(|c| c > 1))
+    cluster_of(name).is_some()
+}
+
+/// Blocks per cluster and `.maxntid` of a cluster kernel, from its name: `_c<C>_` (a row split
+/// over the cluster, 1024 threads) or `_k<K>_` (the grid one cluster, 512 threads).
+fn cluster_of(name: &str) -> Option<(u32, u32)> {
+    name.split('_').find_map(|p| {
+        let (n, threads) = match p.as_bytes().first() {
+            Some(b'c') => (&p[1..], 1024),
+            Some(b'k') => (&p[1..], 512),
+            _ => return None,
+        };
+        n.parse::<u32>().ok().filter(|&c| c > 1).map(|c| (c, threads))
+    })
 }
 
 #[test]
@@ -149,9 +162,9 @@ fn cluster_kernels_declare_their_cluster_size() {
         if !sm90_only(name) {
             continue;
         }
-        let c = name.split("_c").nth(1).and_then(|r| r.split('_').next()).unwrap();
+        let (c, threads) = cluster_of(name).unwrap();
         let after: Vec<&str> = lines.by_ref().skip_while(|l| l.trim() != ")").take(3).collect();
-        assert_eq!(after.get(1).map(|l| l.trim()), Some(".maxntid 1024, 1, 1"), "`{name}`");
+        assert_eq!(after.get(1).map(|l| l.trim()).unwrap_or(""), format!(".maxntid {threads}, 1, 1"), "`{name}`");
         assert_eq!(after.get(2).map(|l| l.trim()).unwrap_or(""), format!(".reqnctapercluster {c}, 1, 1"), "`{name}`");
         seen += 1;
     }

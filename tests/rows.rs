@@ -581,10 +581,13 @@ fn main() -> ExitCode {
             prop(48, (shapes(), dtype(), any::<u64>()), |((r, c), dt, seed)| softmax_case(dev, r, c, dt, log, seed))
         }));
     }
-    // Each kernel path once, deterministically, in every dtype: v1 (128), v2 (1024), v4/v8
-    // (4096, 16384, 32768), streaming aligned (40000) and unaligned (1031, 100003); and with
-    // enough rows (at least 4 per SM) for the wide groups of short rows (four vectors a thread).
-    let paths = [(300, 128), (64, 1024), (16, 4096), (4, 16384), (3, 32768), (2, 40000), (33, 1031), (2, 100003)];
+    // Each kernel path once, deterministically, in every dtype: at few rows the fewest vectors
+    // a thread that one wave allows, v1 (128, 1024, 4096; 8192 f16/bf16), v2 (8192 f32, 16384
+    // f16/bf16), v4/v8 (16384, 32768 f32), streaming aligned (40000) and unaligned (1031,
+    // 100003); and with enough rows (at least 4 per SM) for the wide groups of short rows (four
+    // vectors a thread).
+    let paths =
+        [(300, 128), (64, 1024), (16, 4096), (8, 8192), (4, 16384), (3, 32768), (2, 40000), (33, 1031), (2, 100003)];
     let wide = if sanitizer() { vec![] } else { vec![(2048, 128), (600, 1024), (700, 24)] };
     for (rows, cols) in paths.into_iter().chain(wide) {
         tests.push(test(format!("softmax/paths/{rows}x{cols}"), move |dev: &Device| {
@@ -605,6 +608,29 @@ fn main() -> ExitCode {
             Ok(())
         }));
     }
+    tests.push(test("rows/few_rows_forward_vectors", |dev: &Device| {
+        // Fewer rows than four an SM: the forwards take as many threads a row as one wave of
+        // blocks allows (host: `fwd_row_plan`), one vector a thread up to 1024 vectors a row.
+        for (rows, cols, dt, want) in [
+            (8usize, 4096usize, DType::F32, "_fwd_v1_"),
+            (8, 8192, DType::F32, "_fwd_v2_"),
+            (8, 4096, DType::BF16, "_fwd_v1_"),
+            (8, 16384, DType::BF16, "_fwd_v2_"),
+        ] {
+            for (layer, log) in [(true, false), (false, true)] {
+                let [k, _] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, true).map_err(e)?;
+                let [s, _] = ops::softmax_kernels(dev, log, dt, rows as u64, cols as u64).map_err(e)?;
+                for k in [k, s] {
+                    if !k.contains(want) {
+                        return Err(format!("{rows}x{cols} {dt:?} runs {k}, not {want}"));
+                    }
+                }
+                norm_case(dev, rows, cols, dt, layer, true, (rows * cols) as u64, 2.0)?;
+                softmax_case(dev, rows, cols, dt, log, cols as u64)?;
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("softmax/specials", |dev: &Device| {
         for dt in DType::ALL {
             for cols in [1, 5, 64, 1031, 4096, 40000] {
@@ -683,6 +709,48 @@ fn main() -> ExitCode {
                     return Err(format!("{rows}x8192 {dt:?} runs {k}, not {want}"));
                 }
                 norm_case(dev, rows, 8192, dt, layer, true, 8192 + rows as u64, 2.0)?;
+            }
+        }
+        Ok(())
+    }));
+    tests.push(test("norms/one_cluster_backward", |dev: &Device| {
+        // At most eight rows with parameter gradients: on sm_90 one cluster of eight blocks, a
+        // row each, adds dw, db over its blocks' shared memory (no partial rows, no column
+        // pass). Groups from 1 to 512 threads, blocks left without a row; the same bits on a
+        // second run; without parameter gradients, or with nine rows, the other kernels.
+        for (rows, cols) in [(8usize, 1024usize), (1, 1000), (8, 4096), (5, 200), (8, 8), (3, 16), (2, 8192)] {
+            for dt in DType::ALL {
+                for layer in [true, false] {
+                    let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, true).map_err(e)?;
+                    if dev.compute_capability().0 >= 9 && !k.contains("_bwd_k8_") {
+                        return Err(format!("{rows}x{cols} {dt:?} runs {k}, not the single cluster"));
+                    }
+                    let [_, k] = ops::norm_kernels(dev, layer, dt, 9, cols as u64, true).map_err(e)?;
+                    if k.contains("_bwd_k8_") {
+                        return Err(format!("9x{cols} {dt:?} runs {k}"));
+                    }
+                    let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, false).map_err(e)?;
+                    if k.contains("_bwd_k8_") {
+                        return Err(format!("{rows}x{cols} {dt:?} without parameter gradients runs {k}"));
+                    }
+                    norm_case(dev, rows, cols, dt, layer, true, (3 * rows + cols) as u64, 2.0)?;
+                }
+                let mut rng = TestRng::new(rows as u64);
+                let xs = values(&mut rng, rows * cols, dt);
+                let x = tensor(dev, &xs, &[rows, cols], dt)?;
+                let g = tensor(dev, &values(&mut rng, rows * cols, dt), &[rows, cols], dt)?;
+                let w = tensor(dev, &values(&mut rng, cols, dt), &[cols], dt)?;
+                let b = tensor(dev, &values(&mut rng, cols, dt), &[cols], dt)?;
+                let (_, st) = ops::layer_norm(&x, Some(&w), Some(&b), 1e-5).map_err(e)?;
+                let run = || -> Result<Vec<Vec<u32>>, String> {
+                    let gr = ops::layer_norm_backward(&x, Some(&w), true, &st, &g).map_err(e)?;
+                    let gw = gr.weight.as_ref().expect("asked for");
+                    let gb = gr.bias.as_ref().expect("asked for");
+                    Ok(vec![bits(&gr.x)?, bits(gw)?, bits(gb)?])
+                };
+                if run()? != run()? {
+                    return Err(format!("layer norm backward {rows}x{cols} {dt:?}: two runs differ"));
+                }
             }
         }
         Ok(())

@@ -103,7 +103,7 @@ pub(crate) fn row_plan(
     }
     // Few rows: narrow groups, so that the rows spread over more blocks and SMs (64 rows of
     // 1024 f32 in 16 blocks of four-vector groups ran at 0.93-0.96 of PyTorch's speed, in 32
-    // blocks of two-vector groups at 1.1).
+    // blocks of two-vector groups at 1.1). The forwards go further: `fwd_row_plan`.
     let spread = if rows >= 4 * dev.sm_count() as u64 { spread } else { launch::Spread::Narrow };
     if cols > 0
         && cols.is_multiple_of(vec)
@@ -126,6 +126,46 @@ pub(crate) fn row_plan(
     let g = launch::group_size(cols.div_ceil(vec), 4).min(max.max(32));
     let cfg = launch::rows(rows, g).expect("rows > 0");
     Ok(Some(RowPlan { kernel, cfg, v: None }))
+}
+
+/// The plan of a register-resident forward (softmax, log-softmax, layer and RMS norm) over
+/// `avail` vectors a thread (ascending): [`row_plan`] with `Spread::Wide`, except for launches
+/// of fewer rows than four an SM. Those take the fewest vectors a thread (the most threads a
+/// row, up to 1024) whose grid still fits one wave of resident blocks: their time is the
+/// latency of one pass over each row, which more threads a row shorten, until a second wave
+/// would double it. Measured on the H100 against `Spread::Narrow` (the fewest vectors that keep
+/// a group at 128 threads), layer norm f32 8 x 4096 10.1 -> 7.1 us, 128 x 4096 11.2 -> 8.5,
+/// bf16 32 x 4096 8.4 -> 6.7, f32 8 x 16384 10.5 -> 8.9; at 512 x 4096 f32 one vector a thread
+/// would be two waves (18.3 us) where four are one (11.6) (`benches/NOTES.md`, sixteenth
+/// session).
+pub(crate) fn fwd_row_plan(
+    dev: &crate::Device,
+    stem: &str,
+    dt: kernels_gpu::DType,
+    rows: u64,
+    cols: u64,
+    avail: &[usize],
+) -> Result<Option<RowPlan>> {
+    use crate::launch;
+    let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
+    let few = rows > 0 && rows < 4 * dev.sm_count() as u64;
+    if few && cols > 0 && cols.is_multiple_of(vec) {
+        let nvec = cols / vec;
+        for &v in avail.iter().filter(|&&v| nvec <= v as u64 * kernels_gpu::rows::MAX_GROUP as u64) {
+            let kernel = format!("{stem}_v{v}_{}", dt.suffix());
+            let g = launch::group_size(nvec, v as u64);
+            let Some(cfg) = launch::rows(rows, g) else { continue };
+            let threads = cfg.block.0 * cfg.block.1;
+            if !launch::rows_fit_grid(rows, g) || threads > dev.max_threads(&kernel)? {
+                continue;
+            }
+            let resident = dev.sm_count() as u64 * dev.blocks_per_sm(&kernel, threads, cfg.shared_bytes)? as u64;
+            if cfg.grid.0 as u64 <= resident {
+                return Ok(Some(RowPlan { kernel, cfg, v: Some(v) }));
+            }
+        }
+    }
+    row_plan(dev, stem, dt, rows, cols, avail, crate::launch::Spread::Wide)
 }
 
 /// Cluster sizes of the one-row-per-cluster kernels `<stem>_c<C>_v4_<dt>` (sm_90; the softmax

@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
-use kernels_gpu::transpose::{TransposeArgs, block, smem_bytes, tile, transpose_kernel, vector_path};
+use kernels_gpu::transpose::{TransposeArgs, block, smem_bytes, tile, tiling, transpose_kernel};
 
 /// The largest `grid.x` and `grid.y` of a launch; the kernel loops over the tiles beyond.
 const MAX_GRID_X: u64 = i32::MAX as u64;
@@ -33,26 +33,26 @@ fn split(op: &'static str, shape: &[usize]) -> Result<((u64, u64, u64), Vec<usiz
     Ok(((batch as u64, rows as u64, cols as u64), out))
 }
 
-/// Launch geometry of the transpose of `batch` matrices of `rows x cols` elements of `dt`; `None`
-/// when there is nothing to move. `grid.x` covers the column tiles, `grid.y` the (batch, row
-/// tile) pairs, each capped (the kernel loops beyond); tile, block and shared memory are those
-/// of the path `vector_path` picks, which the kernel picks the same way.
-pub(crate) fn geometry(dt: DType, batch: u64, rows: u64, cols: u64) -> Option<LaunchConfig> {
+/// Launch geometry of the transpose of `batch` matrices of `rows x cols` elements of `dt` on a
+/// GPU of `sm_count` SMs; `None` when there is nothing to move. `grid.x` covers the column
+/// tiles, `grid.y` the (batch, row tile) pairs, each capped (the kernel loops beyond); tile,
+/// block and shared memory are those of the [`Tiling`] that [`tiling`] picks.
+pub(crate) fn geometry(dt: DType, batch: u64, rows: u64, cols: u64, sm_count: u32) -> Option<LaunchConfig> {
     if batch == 0 || rows == 0 || cols == 0 {
         return None;
     }
-    let vector = vector_path(dt, rows, cols);
-    let t = tile(dt, vector);
+    let tl = tiling(dt, batch, rows, cols, sm_count);
+    let t = tile(dt, tl);
     let gx = cols.div_ceil(t).min(MAX_GRID_X);
     let gy = batch.saturating_mul(rows.div_ceil(t)).min(MAX_GRID_Y);
-    Some(LaunchConfig { grid: (gx as u32, gy as u32, 1), block: block(vector), shared_bytes: smem_bytes(dt, vector) })
+    Some(LaunchConfig { grid: (gx as u32, gy as u32, 1), block: block(tl), shared_bytes: smem_bytes(dt, tl) })
 }
 
 /// Launches the transpose of `x` (already checked) into `out` (the transposed shape, same dtype
 /// and device).
 fn launch(x: &Tensor, out: &mut Tensor, (batch, rows, cols): (u64, u64, u64)) -> Result<()> {
     let dt = x.dtype();
-    let Some(cfg) = geometry(dt, batch, rows, cols) else { return Ok(()) };
+    let Some(cfg) = geometry(dt, batch, rows, cols, x.device().sm_count()) else { return Ok(()) };
     let kernel = transpose_kernel(dt);
     with_elem!(dt, |T| {
         let args: TransposeArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, batch, rows, cols);
@@ -108,8 +108,11 @@ impl Tensor {
 mod tests {
     use super::*;
     use kernels_gpu::transpose::{
-        SCALAR_TILE, VEC_SLOTS, VEC_THREADS, scalar_stride, vec_slot, vec_smem_slots, vec_width,
+        SCALAR_TILE, SMALL_VEC_SLOTS, Tiling, VEC_SLOTS, scalar_stride, vec_slot, vec_smem_slots, vec_width,
     };
+
+    /// The H100's SMs, for the launch rules' tests.
+    const SMS: u32 = 132;
 
     #[test]
     fn shapes_split_and_swap() {
@@ -126,22 +129,27 @@ mod tests {
     #[test]
     fn geometry_covers_every_tile() {
         for dt in DType::ALL {
-            assert_eq!(geometry(dt, 0, 5, 5), None);
-            assert_eq!(geometry(dt, 3, 0, 5), None);
-            assert_eq!(geometry(dt, 3, 5, 0), None);
+            assert_eq!(geometry(dt, 0, 5, 5, SMS), None);
+            assert_eq!(geometry(dt, 3, 0, 5, SMS), None);
+            assert_eq!(geometry(dt, 3, 5, 0, SMS), None);
             let v = vec_width(dt);
             // The vector path exactly when both sides are whole vectors.
-            let c = geometry(dt, 1, 8192, 8192).unwrap();
+            let c = geometry(dt, 1, 8192, 8192, SMS).unwrap();
+            let big = Tiling::Vector { slots: VEC_SLOTS };
             assert_eq!(
                 (c.block, c.grid),
-                ((VEC_THREADS, 1, 1), ((8192 / (16 * v)) as u32, (8192 / (16 * v)) as u32, 1))
+                ((VEC_SLOTS * VEC_SLOTS, 1, 1), ((8192 / (16 * v)) as u32, (8192 / (16 * v)) as u32, 1))
             );
-            assert_eq!(c.shared_bytes as u64, vec_smem_slots(dt) * 16);
-            assert!(c.shared_bytes <= 48 * 1024, "beyond the default dynamic shared memory limit");
-            let c = geometry(dt, 1, 8192, 8191).unwrap();
+            assert_eq!(c.shared_bytes as u64, vec_smem_slots(dt, VEC_SLOTS) * 16);
+            assert_eq!(c.shared_bytes, smem_bytes(dt, big));
+            for slots in [VEC_SLOTS, SMALL_VEC_SLOTS] {
+                let b = smem_bytes(dt, Tiling::Vector { slots });
+                assert!(b <= 48 * 1024, "beyond the default dynamic shared memory limit");
+            }
+            let c = geometry(dt, 1, 8192, 8191, SMS).unwrap();
             assert_eq!((c.block, c.grid), ((32, 8, 1), (256, 256, 1)));
             assert_eq!(c.shared_bytes as u64, SCALAR_TILE * scalar_stride(dt) * dt.size() as u64);
-            let c = geometry(dt, 1, v + 1, v).unwrap();
+            let c = geometry(dt, 1, v + 1, v, SMS).unwrap();
             assert_eq!(c.block, (32, 8, 1));
             for (batch, rows, cols) in [
                 (1u64, 1u64, 1u64),
@@ -149,14 +157,15 @@ mod tests {
                 (1, 100_003, 1),
                 (3, 257, 129),
                 (3, 256, 128),
+                (1, 64, 1024),
                 (70_000, 2, 3),
                 (70_000, 8, 8),
                 (1, 4_200_000, 1),
                 (1, 3 << 30, 8),
                 (1, 8, 1 << 40),
             ] {
-                let c = geometry(dt, batch, rows, cols).unwrap();
-                let t = tile(dt, vector_path(dt, rows, cols));
+                let c = geometry(dt, batch, rows, cols, SMS).unwrap();
+                let t = tile(dt, tiling(dt, batch, rows, cols, SMS));
                 let (gx, gy) = (c.grid.0 as u64, c.grid.1 as u64);
                 assert!((1..=MAX_GRID_X).contains(&gx) && (1..=MAX_GRID_Y).contains(&gy));
                 // One block per tile unless a cap applies, in which case the loops cover the rest.
@@ -166,40 +175,69 @@ mod tests {
         }
     }
 
-    /// The shared-memory layout of the vector path, as the kernel indexes it: every slot inside
-    /// the allocation, no two micro-block vectors in one slot, and each quarter-warp's eight
-    /// 16-byte accesses in eight different bank groups (slot mod 8), on both sides.
+    /// Small vector-path grids take the small tiles, which make four times the blocks, and only
+    /// they: the rule's boundary is the SM count, in tiles of the large tiling.
+    #[test]
+    fn small_grids_take_small_tiles() {
+        let small = Tiling::Vector { slots: SMALL_VEC_SLOTS };
+        let big = Tiling::Vector { slots: VEC_SLOTS };
+        // f32: 64 x 64 tiles; 64 x 1024 is 16 of them, 64 blocks of 32 x 32.
+        assert_eq!(tiling(DType::F32, 1, 64, 1024, SMS), small);
+        let c = geometry(DType::F32, 1, 64, 1024, SMS).unwrap();
+        assert_eq!((c.grid, c.block), ((32, 2, 1), (64, 1, 1)));
+        assert_eq!(c.shared_bytes as u64, vec_smem_slots(DType::F32, SMALL_VEC_SLOTS) * 16);
+        // 131 tiles and 132 tiles on either side of the boundary (131 = 1 x 131, 132 = 2 x 66).
+        assert_eq!(tiling(DType::F32, 1, 64, 64 * 131, SMS), small);
+        assert_eq!(tiling(DType::F32, 1, 128, 64 * 66, SMS), big);
+        // Batches count: 3 matrices of 64 x 64 bf16 (128 x 128 tiles) are 3 tiles.
+        assert_eq!(tiling(DType::BF16, 3, 64, 64, SMS), small);
+        assert_eq!(tiling(DType::BF16, 200, 64, 64, SMS), big);
+        assert_eq!(tiling(DType::F32, 1, 8192, 8192, SMS), big);
+        // The scalar path whatever the size.
+        assert_eq!(tiling(DType::F16, 1, 63, 64, SMS), Tiling::Scalar);
+        assert_eq!(tiling(DType::F16, 1, 8191, 8192, SMS), Tiling::Scalar);
+    }
+
+    /// The shared-memory layout of the vector path, as the kernel indexes it, for both tile
+    /// sizes: every slot inside the allocation, no two micro-block vectors in one slot, and each
+    /// quarter-warp's eight 16-byte accesses in eight different bank groups (slot mod 8), on both
+    /// sides.
     #[test]
     fn vector_tile_layout_is_conflict_free() {
-        for dt in [DType::F32, DType::F16] {
+        for (dt, s) in [
+            (DType::F32, VEC_SLOTS),
+            (DType::F16, VEC_SLOTS),
+            (DType::F32, SMALL_VEC_SLOTS),
+            (DType::F16, SMALL_VEC_SLOTS),
+        ] {
             let v = vec_width(dt) as u32;
-            let slots = vec_smem_slots(dt) as u32;
-            let s = VEC_SLOTS as u32;
+            let slots = vec_smem_slots(dt, s) as u32;
             let mut used = vec![false; slots as usize];
             for c in 0..s * v {
                 for rb in 0..s {
-                    let slot = vec_slot(v, c, rb);
-                    assert!(slot < slots && !used[slot as usize], "{dt:?} c {c} rb {rb}");
+                    let slot = vec_slot(v, s, c, rb);
+                    assert!(slot < slots && !used[slot as usize], "{dt:?} {s} c {c} rb {rb}");
                     used[slot as usize] = true;
                 }
             }
-            for quarter in 0..VEC_THREADS / 8 {
+            for quarter in 0..s * s / 8 {
                 let lanes = (quarter * 8..quarter * 8 + 8).map(|t| (t / s, t % s));
                 for k in 0..v {
                     // Write side: thread (rb, cb) writes output row V cb + k.
-                    let mut groups: Vec<u32> = lanes.clone().map(|(rb, cb)| vec_slot(v, v * cb + k, rb) % 8).collect();
+                    let mut groups: Vec<u32> =
+                        lanes.clone().map(|(rb, cb)| vec_slot(v, s, v * cb + k, rb) % 8).collect();
                     groups.sort();
                     groups.dedup();
-                    assert_eq!(groups.len(), 8, "{dt:?} write conflict, quarter {quarter} k {k}");
-                    // Read side: thread (p, q) reads output row p + 16k, micro-row q.
-                    let mut groups: Vec<u32> = lanes.clone().map(|(p, q)| vec_slot(v, p + s * k, q) % 8).collect();
+                    assert_eq!(groups.len(), 8, "{dt:?} {s} write conflict, quarter {quarter} k {k}");
+                    // Read side: thread (p, q) reads output row p + S k, micro-row q.
+                    let mut groups: Vec<u32> = lanes.clone().map(|(p, q)| vec_slot(v, s, p + s * k, q) % 8).collect();
                     groups.sort();
                     groups.dedup();
-                    assert_eq!(groups.len(), 8, "{dt:?} read conflict, quarter {quarter} k {k}");
+                    assert_eq!(groups.len(), 8, "{dt:?} {s} read conflict, quarter {quarter} k {k}");
                     // And the kernel's addressing: a base plus a constant per k.
                     let (p, q) = (quarter * 8 / s, quarter * 8 % s);
-                    assert_eq!(vec_slot(v, p + s * k, q), vec_slot(v, p, q) + k * vec_slot(v, s, 0));
-                    assert_eq!(vec_slot(v, v * q + k, p), vec_slot(v, v * q, p) + k * s);
+                    assert_eq!(vec_slot(v, s, p + s * k, q), vec_slot(v, s, p, q) + k * vec_slot(v, s, s, 0));
+                    assert_eq!(vec_slot(v, s, v * q + k, p), vec_slot(v, s, v * q, p) + k * s);
                 }
             }
         }

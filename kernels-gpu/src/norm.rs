@@ -19,7 +19,9 @@
 //! rows. The register-resident backward is *persistent*: a grid of about one wave of blocks,
 //! each group walking rows with the grid's stride and keeping its columns' `dw`, `db` in shared
 //! memory, so the column sums cost no extra pass over memory; each block writes one partial
-//! row, and `norm_colsum` adds the partials in a fixed order. Rows too long for registers use a
+//! row, and `norm_colsum` adds the partials in a fixed order (on sm_90, a launch of at most eight
+//! rows is instead one cluster of eight blocks, which add their sums through distributed shared
+//! memory and write `dw`, `db` themselves: one launch). Rows too long for registers use a
 //! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
 //! of `x` and `g`, the price of rows over 8192 elements.
 
@@ -29,6 +31,14 @@ pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut 
 /// `(x, w, g, mean, rstd, gx, partial, rows, cols)`. `w` may be null; `mean` is null for RMS
 /// norm; `partial` (f32, `[2][gridDim.x][cols]`: dw then db) is null when neither is wanted.
 pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64);
+/// `(x, w, g, mean, rstd, gx, dw, db, rows, cols)`: the backward of a grid that is one cluster of
+/// [`ONE_CLUSTER`] blocks (`<op>_bwd_k8_v<V>_<dtype>`, sm_90), which adds its column sums over
+/// the cluster and writes `dw`, `db` itself (either may be null: not wanted).
+pub type NormBwdOneArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut T, *mut T, u64, u64);
+/// Blocks of the single-cluster backward: its whole grid (portable cluster size).
+pub const ONE_CLUSTER: u32 = 8;
+/// Threads a block of the single-cluster backward may have at most (`.maxntid`: 128 registers).
+pub const ONE_CLUSTER_THREADS: u32 = 512;
 /// `(x, g, mean, rstd, partial, rows, cols)`: the column sums of `g * xh` and `g` for rows too
 /// long for the register-resident backward, into `partial[2][gridDim.y][cols]` (32 x 8 blocks
 /// as the element-wise column reductions).
@@ -419,8 +429,15 @@ mod device {
     /// (`rows::RowReducer`): rows of 32768 f32 are 256 KB of `x` and `g`, more than one
     /// SM's registers, but 64 KB on each of four SMs. Without it those rows stream (five passes
     /// over memory instead of three).
+    ///
+    /// The column sums of `dw`, `db`: with `K = 0` each block writes its partial row to
+    /// `partial` (`norm_colsum` adds them). With `K > 0` (`C = 1`, sm_90) the grid is one
+    /// cluster of `K` blocks, which add their sums through distributed shared memory and write
+    /// `dw`, `db` (see [`cluster_colsums`]): no partial rows and no second launch, for launches
+    /// of at most a row a block, where those cost about as much as the rows (host:
+    /// `one_cluster_plan`).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32>(
+    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32, const K: u32>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -428,6 +445,7 @@ mod device {
         rstd: *const f32,
         gx: *mut T,
         partial: *mut f32,
+        (dw, db): (*mut T, *mut T),
         rows: u64,
         cols: u64,
     ) {
@@ -463,7 +481,8 @@ mod device {
                 T::unpack(unsafe { ld_global_nc_v4(w.add(slot_col::<T>(&g, s) as usize) as *const u32) })
             }
         };
-        let sums_on = !partial.is_null();
+        // Uniform over the launch (kernel arguments), as the cluster barriers below need.
+        let sums_on = if K > 0 { !dw.is_null() || !db.is_null() } else { !partial.is_null() };
         let smem = dyn_smem::<f32>();
         let slots = reduce_smem_bytes(g.size * g.per_block);
         let acc_base = (slots / 4 + cluster_slots(C)) as usize;
@@ -577,6 +596,12 @@ mod device {
         if !sums_on {
             return;
         }
+        if K > 0 {
+            // SAFETY: the launch is one cluster of K blocks with this layout (the caller's
+            // contract); dw, db hold cols elements or are null.
+            unsafe { cluster_colsums::<T, K>(&g, acc_base, region, nvec * T::VEC as u64, dw, db) };
+            return;
+        }
         // The block's groups cover the same columns: add their regions in group order, and write
         // the block's partial row (its part of it, in a cluster). No other block touches this
         // block's shared memory after the exchange's final cluster barrier.
@@ -599,6 +624,76 @@ mod device {
             }
             c += threads;
         }
+    }
+
+    /// The column sums of a backward whose grid is one cluster of `K` blocks: each block adds
+    /// its groups' sums into its first group's region (in group order, as the partial rows),
+    /// then, after a cluster barrier, block `k` adds column slice `k` over the `K` blocks'
+    /// regions through distributed shared memory, in rank order, and writes `dw`, `db`: the same
+    /// sums in the same order on every run. A final barrier keeps every block's shared memory
+    /// alive until the others have read it.
+    ///
+    /// # Safety
+    /// The grid is one cluster of `K` blocks (sm_90); `acc_base` and `region` as in `bwd_reg`,
+    /// whose row loop has written every group's sums; `dw`, `db` hold `cols` elements or are
+    /// null.
+    #[inline(always)]
+    unsafe fn cluster_colsums<T: Elem, const K: u32>(
+        g: &Group,
+        acc_base: usize,
+        region: usize,
+        cols: u64,
+        dw: *mut T,
+        db: *mut T,
+    ) {
+        let smem = dyn_smem::<f32>();
+        let threads = (g.size * g.per_block) as u64;
+        let tid = (g.ty * g.size + g.t) as u64;
+        // The row loop's sums were written by their columns' threads; they are read here by
+        // others.
+        sync_threads();
+        let mut c = tid;
+        while c < cols {
+            for which in 0..2 {
+                let at = acc_base + which * region + (c + c / 32) as usize;
+                let mut v = 0.0f32;
+                for r in 0..g.per_block as usize {
+                    // SAFETY: inside the R regions of 2 * padded(cols) floats; only this thread
+                    // touches column c of them.
+                    v += unsafe { *smem.add(at + r * 2 * region) };
+                }
+                // SAFETY: as above.
+                unsafe { *smem.add(at) = v };
+            }
+            c += threads;
+        }
+        cluster_sync();
+        let per = cols.div_ceil(K as u64);
+        let lo = cluster_rank() as u64 * per;
+        let hi = (lo + per).min(cols);
+        let base = dyn_smem_addr() + 4 * acc_base as u32;
+        // Called once per output with constant arguments (an array of the two, looped over,
+        // became a stack frame).
+        let sum_into = |out: *mut T, which: usize, c: u64| {
+            if !out.is_null() {
+                let a = base + 4 * (which * region + (c + c / 32) as usize) as u32;
+                let mut v = 0.0f32;
+                for rank in 0..K {
+                    // SAFETY: the same address in block `rank`'s region, written before the
+                    // barrier above; every block is running until the barrier below.
+                    v += unsafe { ld_shared_cluster_f32(a, rank) };
+                }
+                // SAFETY: c < cols, the output's length.
+                unsafe { *out.add(c as usize) = T::from_f32(v) };
+            }
+        };
+        let mut c = lo + tid;
+        while c < hi {
+            sum_into(dw, 0, c);
+            sum_into(db, 1, c);
+            c += threads;
+        }
+        cluster_sync();
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -804,13 +899,19 @@ macro_rules! norm_kernels {
     (@bwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_v $v _ $sfx>]: NormBwdArgs<$T> =
             |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, 1>(x, w, g, mean, rstd, gx, partial, rows, cols));
+            bwd_reg::<$T, $N, $v, 1, 0>(x, w, g, mean, rstd, gx, partial, (core::ptr::null_mut(), core::ptr::null_mut()), rows, cols));
+    } )* };
+    // The grid one cluster of K blocks: `<op>_bwd_k<K>_v<V>_<dtype>`.
+    (@bwdk $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_k $k _v $v _ $sfx>]: NormBwdOneArgs<$T> =
+            |x, w, g, mean, rstd, gx, dw, db, rows, cols|
+            bwd_reg::<$T, $N, $v, 1, $k>(x, w, g, mean, rstd, gx, core::ptr::null_mut(), (dw, db), rows, cols));
     } )* };
     // Clusters of C blocks, V vectors a thread: `<op>_bwd_c<C>_v<V>_<dtype>`.
     (@bwdc $T:ty, $sfx:ident, $op:ident, $N:ident, $v:literal, $($c:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_c $c _v $v _ $sfx>]: NormBwdArgs<$T> =
             |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, $c>(x, w, g, mean, rstd, gx, partial, rows, cols));
+            bwd_reg::<$T, $N, $v, $c, 0>(x, w, g, mean, rstd, gx, partial, (core::ptr::null_mut(), core::ptr::null_mut()), rows, cols));
     } )* };
 }
 crate::for_each_elem!(norm_kernels);
@@ -844,3 +945,19 @@ macro_rules! norm_cluster_kernels {
 }
 #[cfg(target_feature = "sm_90")]
 crate::for_each_elem!(norm_cluster_kernels, 2);
+
+// Launches of few rows with parameter gradients, the grid one cluster of eight blocks of up to
+// 512 threads (128 registers: every vector count of the one-group kernels fits), sm_90 only.
+#[cfg(target_feature = "sm_90")]
+macro_rules! norm_one_cluster_kernels {
+    ($T:ty, $sfx:ident, $($v:literal)*) => {
+        norm_kernels!(@bwdk $T, $sfx, layer_norm, Layer, 8, $($v)*);
+        norm_kernels!(@bwdk $T, $sfx, rms_norm, Rms, 8, $($v)*);
+    };
+}
+#[cfg(target_feature = "sm_90")]
+norm_one_cluster_kernels!(f32, f32, 1 2 4);
+#[cfg(target_feature = "sm_90")]
+norm_one_cluster_kernels!(crate::dtype::F16, f16, 1 2);
+#[cfg(target_feature = "sm_90")]
+norm_one_cluster_kernels!(crate::dtype::BF16, bf16, 1 2);

@@ -332,6 +332,28 @@ pub unsafe fn st_shared_cluster_f32(addr: u32, rank: u32, v: f32) {
     }
 }
 
+/// Loads one f32 from the shared memory of block `rank` of this cluster, at the address that
+/// `addr` has in this block's shared memory (`mapa`: same layout in every block).
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared-window address inside the dynamic shared memory,
+/// `rank` below the cluster size, and the target block must be running, its writes to that
+/// address ordered before this load by a [`cluster_sync`].
+#[inline(always)]
+pub unsafe fn ld_shared_cluster_f32(addr: u32, rank: u32) -> f32 {
+    let v: f32;
+    // SAFETY: per the function contract. Not `readonly`: the cluster barrier before it must
+    // order it after the other block's writes.
+    unsafe {
+        asm!(
+            "{{ .reg .b32 ra; mapa.shared::cluster.u32 ra, {a}, {r}; ld.shared::cluster.f32 {v}, [ra]; }}",
+            a = in(reg32) addr, r = in(reg32) rank, v = out(reg32) v,
+            options(nostack, preserves_flags)
+        );
+    }
+    v
+}
+
 /// Initialises the mbarrier (8 bytes, 8-byte aligned) at shared-window address `addr` to expect
 /// `count` arrivals per phase.
 ///

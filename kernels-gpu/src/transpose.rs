@@ -6,26 +6,29 @@
 //!
 //! Memory pattern: a transpose reads rows and writes columns, so one of the two global sides is
 //! strided unless a tile is staged in shared memory: a block reads a tile along the input's rows
-//! and writes it along the output's rows (the input's columns), both coalesced. Two paths, picked
-//! per launch by [`vector_path`] (the host sizes the grid with the same function):
+//! and writes it along the output's rows (the input's columns), both coalesced. Three tilings
+//! ([`Tiling`]), chosen per launch by the host ([`tiling`]); the kernel follows the launch's
+//! block shape:
 //!
 //! - *Vector* (both `rows` and `cols` multiples of the 16-byte vector width `V`, 4 for f32 and 8
 //!   for 16-bit types, so that every input row and every output row starts 16-byte aligned):
-//!   tiles of `16V x 16V` elements (64 x 64 f32, 128 x 128 f16/bf16), 256 threads. Thread `t`
-//!   loads the `V x V` micro-block at micro-row `t / 16`, micro-column `t % 16` with `V` 16-byte
-//!   loads (a warp reads two 256-byte row segments per instruction; 64 or 128 bytes per thread in
-//!   flight), transposes it in registers (free for f32; two 16-bit halves per word for f16/bf16),
-//!   and writes its `V` output vectors to shared memory as whole 16-byte slots. After a barrier,
-//!   each thread reads `V` slots along output rows and stores them with 16-byte stores (a warp
-//!   writes two 256-byte segments of output rows). Every shared-memory access is 16 bytes, served
-//!   a quarter-warp (8 threads, 128 bytes) at a time, conflict-free when the 8 slots fall in 8
-//!   different 16-byte bank groups (slot mod 8). Output row `c` of the tile, micro-row `rb` lives
-//!   in slot `16c + rb + c / V` ([`vec_slot`]): rows of 16 slots, each group of `V` rows (one
-//!   micro-column) shifted by one slot more than the last. On the write side a quarter-warp holds
-//!   8 consecutive micro-columns `cb` (`c = V cb + k`, `rb` equal): slots `16 V cb + 16 k + rb +
-//!   cb`, distinct mod 8 through the `+ cb`. On the read side it holds 8 consecutive `rb` with
-//!   `c` equal: consecutive slots. And both sides step by a constant per unrolled index, so each
-//!   thread's addresses are one base plus immediate offsets.
+//!   tiles of `S V x S V` elements, `S x S` threads, `S` = 16 (64 x 64 f32, 128 x 128 f16/bf16,
+//!   256 threads) or, for grids too small to reach every SM, 8 (32 x 32 f32, 64 x 64 f16/bf16,
+//!   64 threads: four times the blocks). Thread `t` loads the `V x V` micro-block at micro-row
+//!   `t / S`, micro-column `t % S` with `V` 16-byte loads (a warp reads `32 / S` row segments of
+//!   `16 S` bytes per instruction, whole 128-byte lines; 64 or 128 bytes per thread in flight),
+//!   transposes it in registers (free for f32; two 16-bit halves per word for f16/bf16), and
+//!   writes its `V` output vectors to shared memory as whole 16-byte slots. After a barrier, each
+//!   thread reads `V` slots along output rows and stores them with 16-byte stores. Every
+//!   shared-memory access is 16 bytes, served a quarter-warp (8 threads, 128 bytes) at a time,
+//!   conflict-free when the 8 slots fall in 8 different 16-byte bank groups (slot mod 8). Output
+//!   row `c` of the tile, micro-row `rb` lives in slot `S c + rb + c / V` ([`vec_slot`]): rows of
+//!   `S` slots, each group of `V` rows (one micro-column) shifted by one slot more than the last.
+//!   On the write side a quarter-warp holds 8 consecutive micro-columns `cb` (`c = V cb + k`,
+//!   `rb` equal): slots `S V cb + S k + rb + cb`, distinct mod 8 through the `+ cb` (`S V` is a
+//!   multiple of 8). On the read side it holds 8 consecutive `rb` with `c` equal: consecutive
+//!   slots. And both sides step by a constant per unrolled index, so each thread's addresses are
+//!   one base plus immediate offsets.
 //! - *Scalar* (any shape): the classic `32 x 32` tile, `32 x 8` threads, four elements per
 //!   thread, one element per access. The tile's row stride is 33 words for f32 and 17 words (34
 //!   halves) for 16-bit types: odd, so the 32 elements of a tile column read by a warp lie in 32
@@ -58,23 +61,58 @@ pub const fn vector_path(dt: DType, rows: u64, cols: u64) -> bool {
     rows.is_multiple_of(v) && cols.is_multiple_of(v)
 }
 
+/// How a launch tiles the matrices; the host picks it ([`tiling`]), the kernel follows the
+/// block shape ([`block`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tiling {
+    /// `S x S` micro-blocks of `V x V` elements a tile, one thread each; `slots` is `S`, 16 or
+    /// [`SMALL_VEC_SLOTS`]. Needs `vector_path`.
+    Vector { slots: u32 },
+    /// `32 x 32` elements a tile, `32 x 8` threads; any shape.
+    Scalar,
+}
+
 /// Micro-blocks along each side of a vector tile (and 16-byte slots per shared-memory row).
-pub const VEC_SLOTS: u64 = 16;
-/// Threads per block of the vector path (one per micro-block).
-pub const VEC_THREADS: u32 = (VEC_SLOTS * VEC_SLOTS) as u32;
+pub const VEC_SLOTS: u32 = 16;
+/// The same for grids too small to reach every SM at [`VEC_SLOTS`]: a quarter of the tile, four
+/// times the blocks.
+pub const SMALL_VEC_SLOTS: u32 = 8;
 /// Side of a scalar tile.
 pub const SCALAR_TILE: u64 = 32;
 /// Thread rows of a scalar block (`32 x 8` threads, four tile rows each).
 pub const SCALAR_ROWS: u32 = 8;
 
-/// Side of the square tile, in elements.
-pub const fn tile(dt: DType, vector: bool) -> u64 {
-    if vector { VEC_SLOTS * vec_width(dt) } else { SCALAR_TILE }
+/// The tiling of a `batch x rows x cols` transpose of `dt` on a GPU of `sm_count` SMs: scalar
+/// unless `vector_path`; vector tiles of 16 x 16 micro-blocks unless they would make fewer
+/// blocks than `sm_count`, in which case 8 x 8 (a quarter of the bytes a block, four times the
+/// blocks: at 64 x 1024 f32, 64 blocks of 4 KB instead of 16 of 16 KB).
+pub const fn tiling(dt: DType, batch: u64, rows: u64, cols: u64, sm_count: u32) -> Tiling {
+    if !vector_path(dt, rows, cols) {
+        return Tiling::Scalar;
+    }
+    let t = VEC_SLOTS as u64 * vec_width(dt);
+    let tiles = batch.saturating_mul(rows.div_ceil(t)).saturating_mul(cols.div_ceil(t));
+    if tiles < sm_count as u64 {
+        Tiling::Vector { slots: SMALL_VEC_SLOTS }
+    } else {
+        Tiling::Vector { slots: VEC_SLOTS }
+    }
 }
 
-/// Block shape.
-pub const fn block(vector: bool) -> (u32, u32, u32) {
-    if vector { (VEC_THREADS, 1, 1) } else { (SCALAR_TILE as u32, SCALAR_ROWS, 1) }
+/// Side of the square tile, in elements.
+pub const fn tile(dt: DType, tiling: Tiling) -> u64 {
+    match tiling {
+        Tiling::Vector { slots } => slots as u64 * vec_width(dt),
+        Tiling::Scalar => SCALAR_TILE,
+    }
+}
+
+/// Block shape: `S * S` threads for vector tiles (the kernel reads `S` back from it).
+pub const fn block(tiling: Tiling) -> (u32, u32, u32) {
+    match tiling {
+        Tiling::Vector { slots } => (slots * slots, 1, 1),
+        Tiling::Scalar => (SCALAR_TILE as u32, SCALAR_ROWS, 1),
+    }
 }
 
 /// Row stride of a scalar tile in shared memory, in elements: an odd number of 32-bit words.
@@ -85,23 +123,27 @@ pub const fn scalar_stride(dt: DType) -> u64 {
     }
 }
 
-/// Shared-memory slot (16 bytes) of the vector path holding output row `c` of the tile (input
-/// column), micro-row `rb` (input rows `V rb .. V rb + V`), for vector width `v`: rows of 16
-/// slots, each group of `v` rows shifted by one more slot. See the module documentation.
-pub const fn vec_slot(v: u32, c: u32, rb: u32) -> u32 {
-    c * VEC_SLOTS as u32 + rb + c / v
+/// Shared-memory slot (16 bytes) of a vector tile of `s x s` micro-blocks holding output row `c`
+/// of the tile (input column), micro-row `rb` (input rows `V rb .. V rb + V`), for vector width
+/// `v`: rows of `s` slots, each group of `v` rows shifted by one more slot. See the module
+/// documentation.
+pub const fn vec_slot(v: u32, s: u32, c: u32, rb: u32) -> u32 {
+    c * s + rb + c / v
 }
 
-/// Slots of the vector path's shared memory: the `16V x 16` tile plus the shift of the last
-/// group of rows.
-pub const fn vec_smem_slots(dt: DType) -> u64 {
-    (tile(dt, true) + 1) * VEC_SLOTS
+/// Slots of a vector tile's shared memory: the `S V x S` tile plus the shift of the last group
+/// of rows.
+pub const fn vec_smem_slots(dt: DType, slots: u32) -> u64 {
+    (slots as u64 * vec_width(dt) + 1) * slots as u64
 }
 
-/// Dynamic shared memory of a block, in bytes: 16.3 or 32.3 KiB (vector), 4.1 or 2.1 KiB
-/// (scalar).
-pub const fn smem_bytes(dt: DType, vector: bool) -> u32 {
-    let b = if vector { vec_smem_slots(dt) * 16 } else { SCALAR_TILE * scalar_stride(dt) * dt.size() as u64 };
+/// Dynamic shared memory of a block, in bytes: 16.3 or 32.3 KiB (vector, 16 slots), 4.1 or 8.1
+/// KiB (vector, 8 slots), 4.1 or 2.1 KiB (scalar).
+pub const fn smem_bytes(dt: DType, tiling: Tiling) -> u32 {
+    let b = match tiling {
+        Tiling::Vector { slots } => vec_smem_slots(dt, slots) * 16,
+        Tiling::Scalar => SCALAR_TILE * scalar_stride(dt) * dt.size() as u64,
+    };
     b as u32
 }
 
@@ -167,29 +209,36 @@ mod device {
         }
     }
 
-    /// The vector path; `V` = `T::VEC`. See the module documentation for the layout.
+    /// The vector path; `V` = `T::VEC`, tiles of `S x S` micro-blocks. See the module
+    /// documentation for the layout.
     ///
     /// # Safety
     /// As [`TransposeArgs`], with `rows % V == 0 && cols % V == 0`, launched with
-    /// `block(true)` and `smem_bytes(T::DTYPE, true)`.
+    /// `block(Tiling::Vector { slots: S })` and `smem_bytes(T::DTYPE, Tiling::Vector { slots: S })`.
     #[inline(always)]
-    unsafe fn vector_tiles<T: Elem, const V: usize>(x: *const T, y: *mut T, batch: u64, rows: u64, cols: u64) {
+    unsafe fn vector_tiles<T: Elem, const V: usize, const S: u32>(
+        x: *const T,
+        y: *mut T,
+        batch: u64,
+        rows: u64,
+        cols: u64,
+    ) {
         let v = V as u64;
         // Load side: this thread's micro-block (micro-row rb, micro-column cb). Store side:
-        // vector q of output rows p + 16i of the tile. Both pairs are (t / 16, t % 16).
+        // vector q of output rows p + S i of the tile. Both pairs are (t / S, t % S).
         let t = thread_idx_x();
-        let (rb, cb) = (t / VEC_SLOTS as u32, t % VEC_SLOTS as u32);
+        let (rb, cb) = (t / S, t % S);
         let (p, q) = (rb, cb);
         let smem = dyn_smem::<Slot>();
-        // Slot of output row c (of the tile), micro-row rb: `c * 16 + rb + c / V`. Both sides
+        // Slot of output row c (of the tile), micro-row rb: `c * S + rb + c / V`. Both sides
         // step by a constant per unrolled index, so the addresses are one base plus offsets.
-        let write_base = vec_slot(V as u32, V as u32 * cb, rb);
-        let read_base = vec_slot(V as u32, p, q);
+        let write_base = vec_slot(V as u32, S, V as u32 * cb, rb);
+        let read_base = vec_slot(V as u32, S, p, q);
         for_tiles(
             batch,
             rows,
             cols,
-            VEC_SLOTS * v,
+            S as u64 * v,
             #[inline(always)]
             |b, r0, c0| {
                 let (r, c) = (r0 + v * rb as u64, c0 + v * cb as u64);
@@ -219,11 +268,9 @@ mod device {
                     unrolled::<V>(
                         #[inline(always)]
                         |k| {
-                            // SAFETY: vec_slot(V, V cb + k, rb) < vec_smem_slots, the launch's
+                            // SAFETY: vec_slot(V, S, V cb + k, rb) < vec_smem_slots, the launch's
                             // shared memory in slots.
-                            unsafe {
-                                *smem.add(write_base as usize + k * VEC_SLOTS as usize) = Slot(column::<V>(&m, k))
-                            };
+                            unsafe { *smem.add(write_base as usize + k * S as usize) = Slot(column::<V>(&m, k)) };
                         },
                     );
                 }
@@ -233,25 +280,23 @@ mod device {
                 unrolled::<V>(
                     #[inline(always)]
                     |i| {
-                        // SAFETY: vec_slot(V, p + 16i, q) = read_base + i * vec_slot(V, 16, 0), inside
-                        // the shared memory as above.
-                        o[i] = unsafe {
-                            (*smem.add(read_base as usize + i * vec_slot(V as u32, VEC_SLOTS as u32, 0) as usize)).0
-                        };
+                        // SAFETY: vec_slot(V, S, p + S i, q) = read_base + i * vec_slot(V, S, S, 0),
+                        // inside the shared memory as above.
+                        o[i] = unsafe { (*smem.add(read_base as usize + i * vec_slot(V as u32, S, S, 0) as usize)).0 };
                     },
                 );
                 let orow = r0 + v * q as u64;
-                // Output rows p + 16i of the tile: one base, 16 output rows apart.
+                // Output rows p + S i of the tile: one base, S output rows apart.
                 let d = y.wrapping_add(((b * cols + c0 + p as u64) * rows + orow) as usize);
                 unrolled::<V>(
                     #[inline(always)]
                     |i| {
-                        // Slot (p + 16i, q) was written above by the thread with
-                        // cb = (p + 16i) / V, rb = q, which was live exactly when this holds.
-                        if c0 + p as u64 + VEC_SLOTS * (i as u64) < cols && orow < rows {
-                            // SAFETY: d points at output row c0 + p + 16i < cols, columns
+                        // Slot (p + S i, q) was written above by the thread with
+                        // cb = (p + S i) / V, rb = q, which was live exactly when this holds.
+                        if c0 + p as u64 + S as u64 * (i as u64) < cols && orow < rows {
+                            // SAFETY: d points at output row c0 + p + S i < cols, columns
                             // orow .. orow + V <= rows: a whole 16-byte aligned vector of y.
-                            unsafe { st_global_v4(d.wrapping_add(i * (VEC_SLOTS * rows) as usize) as *mut u32, o[i]) };
+                            unsafe { st_global_v4(d.wrapping_add(i * (S as u64 * rows) as usize) as *mut u32, o[i]) };
                         }
                     },
                 );
@@ -336,19 +381,24 @@ mod device {
         );
     }
 
-    /// The kernel body: picks the path the host sized the launch for.
+    /// The kernel body: the path of `vector_path`, the vector tile of the launch's block shape.
     ///
     /// # Safety
-    /// As [`TransposeArgs`], launched with the geometry of `vector_path(T::DTYPE, rows, cols)`.
+    /// As [`TransposeArgs`], launched with the block and shared memory of a [`Tiling`] that
+    /// [`tiling`] can return for these sizes (scalar exactly when not `vector_path`).
     pub unsafe fn transpose<T: Elem>(x: *const T, y: *mut T, batch: u64, rows: u64, cols: u64) {
         // SAFETY: per the contract; f32, F16 and BF16 are plain 4- and 2-byte values, so their
         // memory may be moved as u32 / u16.
         unsafe {
             if vector_path(T::DTYPE, rows, cols) {
-                if T::VEC == 4 {
-                    vector_tiles::<T, 4>(x, y, batch, rows, cols)
-                } else {
-                    vector_tiles::<T, 8>(x, y, batch, rows, cols)
+                // The tile's micro-blocks a side from the block's threads (`block`): uniform
+                // over the launch.
+                let small = block_dim_x() == SMALL_VEC_SLOTS * SMALL_VEC_SLOTS;
+                match (T::VEC == 4, small) {
+                    (true, false) => vector_tiles::<T, 4, VEC_SLOTS>(x, y, batch, rows, cols),
+                    (true, true) => vector_tiles::<T, 4, SMALL_VEC_SLOTS>(x, y, batch, rows, cols),
+                    (false, false) => vector_tiles::<T, 8, VEC_SLOTS>(x, y, batch, rows, cols),
+                    (false, true) => vector_tiles::<T, 8, SMALL_VEC_SLOTS>(x, y, batch, rows, cols),
                 }
             } else if core::mem::size_of::<T>() == 4 {
                 scalar_tiles::<u32, { scalar_stride(DType::F32) as usize }>(
