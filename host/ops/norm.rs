@@ -327,9 +327,10 @@ fn backward_out(
 /// threads (the fewest vectors a thread that allow it) holding each row. Below that size the
 /// column pass after the rows (partial rows written, then added by a second launch) costs
 /// about as much as the rows: measured on the H100, f32 8 x 1024 9.2 -> 7.8 us (layer norm),
-/// 8 x 4096 11.7 -> 10.9. With more rows a block it loses to the wider grids of the other
-/// plans (64 x 1024 f32 in eight blocks of eight rows: 9.5 -> 11.0 us). `None` otherwise
-/// (other devices, longer rows, more rows).
+/// 8 x 4096 11.7 -> 10.9; at 8 x 8192 (512 threads of four f32 or two bf16 vectors) level in
+/// f32 and 5-8% slower in bf16, to be measured again with a limit at 4096 columns. With more
+/// rows a block it loses to the wider grids of the other plans (64 x 1024 f32 in eight blocks
+/// of eight rows: 9.5 -> 11.0 us). `None` otherwise (other devices, longer rows, more rows).
 fn one_cluster_plan(
     dev: &crate::Device,
     kind: Kind,
