@@ -613,17 +613,32 @@ mod device {
         let mut c = (g.ty * g.size + g.t) as u64;
         while c < nvec * T::VEC as u64 {
             for which in 0..2u64 {
-                let mut v = 0.0f32;
-                let at = which as usize * region + (c + c / 32) as usize;
-                for r in 0..g.per_block as usize {
-                    // SAFETY: inside the R regions of 2 * padded(cols) floats.
-                    v += unsafe { *smem.add(acc_base + r * 2 * region + at) };
-                }
+                // SAFETY: column c of the block's part of the row, every group's sums written
+                // (the barrier above).
+                let v = unsafe { groups_sum(&g, acc_base + which as usize * region + (c + c / 32) as usize, region) };
                 // SAFETY: partial holds 2 * chunks * cols floats (host-checked); c < cols.
                 unsafe { *partial.add(((which * chunks + blk) * cols + sp.col0 + c) as usize) = v };
             }
             c += threads;
         }
+    }
+
+    /// The sum over the block's groups, in group order, of the float at `at` of the first
+    /// group's column sums (each group's `[2][padded(cols)]` region `2 * region` floats after
+    /// the last).
+    ///
+    /// # Safety
+    /// `at` lies in the first group's region of the dynamic shared memory, every group's
+    /// regions written and visible to this thread.
+    #[inline(always)]
+    unsafe fn groups_sum(g: &Group, at: usize, region: usize) -> f32 {
+        let smem = dyn_smem::<f32>();
+        let mut v = 0.0f32;
+        for r in 0..g.per_block as usize {
+            // SAFETY: inside the R regions of 2 * padded(cols) floats (the caller's contract).
+            v += unsafe { *smem.add(at + r * 2 * region) };
+        }
+        v
     }
 
     /// The column sums of a backward whose grid is one cluster of `K` blocks: each block adds
@@ -656,14 +671,9 @@ mod device {
         while c < cols {
             for which in 0..2 {
                 let at = acc_base + which * region + (c + c / 32) as usize;
-                let mut v = 0.0f32;
-                for r in 0..g.per_block as usize {
-                    // SAFETY: inside the R regions of 2 * padded(cols) floats; only this thread
-                    // touches column c of them.
-                    v += unsafe { *smem.add(at + r * 2 * region) };
-                }
-                // SAFETY: as above.
-                unsafe { *smem.add(at) = v };
+                // SAFETY: column c, every group's sums written (the barrier above); only this
+                // thread touches column c of them, so it may overwrite the first group's.
+                unsafe { *smem.add(at) = groups_sum(g, at, region) };
             }
             c += threads;
         }
