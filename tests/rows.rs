@@ -717,8 +717,9 @@ fn main() -> ExitCode {
         // At most eight rows with parameter gradients: on sm_90 one cluster of eight blocks, a
         // row each, adds dw, db over its blocks' shared memory (no partial rows, no column
         // pass). Groups from 1 to 512 threads, blocks left without a row; the same bits on a
-        // second run; without parameter gradients, or with nine rows, the other kernels.
-        for (rows, cols) in [(8usize, 1024usize), (1, 1000), (8, 4096), (5, 200), (8, 8), (3, 16), (2, 8192)] {
+        // second run; without parameter gradients, with nine rows or with 8192 columns, the
+        // other kernels.
+        for (rows, cols) in [(8usize, 1024usize), (1, 1000), (8, 4096), (5, 200), (8, 8), (3, 16), (2, 4000)] {
             for dt in DType::ALL {
                 for layer in [true, false] {
                     let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, true).map_err(e)?;
@@ -728,6 +729,10 @@ fn main() -> ExitCode {
                     let [_, k] = ops::norm_kernels(dev, layer, dt, 9, cols as u64, true).map_err(e)?;
                     if k.contains("_bwd_k8_") {
                         return Err(format!("9x{cols} {dt:?} runs {k}"));
+                    }
+                    let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, 8192, true).map_err(e)?;
+                    if k.contains("_bwd_k8_") {
+                        return Err(format!("{rows}x8192 {dt:?} runs {k}"));
                     }
                     let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, false).map_err(e)?;
                     if k.contains("_bwd_k8_") {

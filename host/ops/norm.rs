@@ -327,10 +327,8 @@ fn backward_out(
 /// threads (the fewest vectors a thread that allow it) holding each row. Below that size the
 /// column pass after the rows (partial rows written, then added by a second launch) costs
 /// about as much as the rows: measured on the H100, f32 8 x 1024 9.2 -> 7.8 us (layer norm),
-/// 8 x 4096 11.7 -> 10.9; at 8 x 8192 (512 threads of four f32 or two bf16 vectors) level in
-/// f32 and 5-8% slower in bf16, to be measured again with a limit at 4096 columns. With more
-/// rows a block it loses to the wider grids of the other plans (64 x 1024 f32 in eight blocks
-/// of eight rows: 9.5 -> 11.0 us). `None` otherwise (other devices, longer rows, more rows).
+/// 8 x 4096 11.7 -> 10.9. Shapes outside [`one_cluster_shape`] keep the other plans; `None`
+/// also where the device has no such kernel or a row does not fit one block.
 fn one_cluster_plan(
     dev: &crate::Device,
     kind: Kind,
@@ -340,7 +338,7 @@ fn one_cluster_plan(
 ) -> Result<Option<super::RowPlan>> {
     use kernels_gpu::rows::reduce_smem_bytes;
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    if rows == 0 || rows > ONE_CLUSTER as u64 || !cols.is_multiple_of(vec) {
+    if !one_cluster_shape(rows, cols, vec) {
         return Ok(None);
     }
     for &v in Kind::bwd_vectors(dt) {
@@ -361,6 +359,20 @@ fn one_cluster_plan(
         return Ok(Some(super::RowPlan { kernel, cfg, v: Some(v) }));
     }
     Ok(None)
+}
+
+/// The widest rows the single cluster takes. At 8 x 8192 (groups of 512 threads holding four
+/// f32 or two bf16 vectors each) it was no faster than the two launches: on the H100, us, two
+/// launches / one cluster, layer norm f32 14.66 / 14.74, RMS norm f32 14.61 / 13.94, layer norm
+/// bf16 13.17 / 14.34, RMS norm bf16 13.00 / 13.57 (2% slower summed); up to 4096 columns it
+/// was 5-15% faster in each of those four.
+const ONE_CLUSTER_MAX_COLS: u64 = 4096;
+
+/// Whether `rows` x `cols` (with `vec` elements a vector) is a shape for the single cluster: a
+/// row a block for at most [`ONE_CLUSTER`] rows, at most [`ONE_CLUSTER_MAX_COLS`] columns, whole
+/// vectors.
+fn one_cluster_shape(rows: u64, cols: u64, vec: u64) -> bool {
+    (1..=ONE_CLUSTER as u64).contains(&rows) && cols <= ONE_CLUSTER_MAX_COLS && cols.is_multiple_of(vec)
 }
 
 /// The backward's kernel and launch, and the number of partial rows of dw, db it writes
@@ -593,4 +605,28 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
         v.push((format!("norm_colsum_{sfx}"), s));
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_cluster_takes_few_short_rows() {
+        for (rows, cols, vec, yes) in [
+            (1, 4, 4, true),
+            (8, 1024, 4, true),
+            (8, 4096, 4, true),
+            (8, 4096, 8, true),
+            (5, 200, 8, true),
+            (0, 1024, 4, false),
+            (9, 1024, 4, false),
+            (8, 8192, 4, false),
+            (8, 8192, 8, false),
+            (1, 4100, 4, false),
+            (8, 1022, 4, false),
+        ] {
+            assert_eq!(one_cluster_shape(rows, cols, vec), yes, "{rows} x {cols}, {vec} a vector");
+        }
+    }
 }
