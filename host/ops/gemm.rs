@@ -89,7 +89,7 @@ fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64), max_sha
 }
 
 /// The epilogue code of an activation the GEMM can apply as it stores, `None` for the others
-/// (which [`super::linear`] applies with a separate element-wise kernel).
+/// (which [`mod@super::linear`] applies with a separate element-wise kernel).
 pub fn fused_activation(act: Activation) -> Option<u32> {
     match act {
         Activation::Identity => Some(EPI_IDENTITY),

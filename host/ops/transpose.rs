@@ -36,7 +36,8 @@ fn split(op: &'static str, shape: &[usize]) -> Result<((u64, u64, u64), Vec<usiz
 /// Launch geometry of the transpose of `batch` matrices of `rows x cols` elements of `dt` on a
 /// GPU of `sm_count` SMs; `None` when there is nothing to move. `grid.x` covers the column
 /// tiles, `grid.y` the (batch, row tile) pairs, each capped (the kernel loops beyond); tile,
-/// block and shared memory are those of the [`Tiling`] that [`tiling`] picks.
+/// block and shared memory are those of the
+/// [`Tiling`](kernels_gpu::transpose::Tiling) that [`tiling`] picks.
 pub(crate) fn geometry(dt: DType, batch: u64, rows: u64, cols: u64, sm_count: u32) -> Option<LaunchConfig> {
     if batch == 0 || rows == 0 || cols == 0 {
         return None;

@@ -391,7 +391,7 @@ pub fn pow_finite_y(x: f32, y: f32) -> f32 {
 /// x^y, within 2 ulp of the correctly rounded result (measured on the GPU and on the CPU, over
 /// the pairs of `math::pow`'s test: see the README's accuracy table), with every special value
 /// of C99 Annex F, as [`crate::math::pow`] (0.6 ulp, 2.3x the instructions): |x|^y =
-/// 2^(y log2|x|) with [`log2_split`] and [`exp2_split`], about 75 instructions and no branch.
+/// 2^(y log2|x|) with `log2_split` and `exp2_split`, about 75 instructions and no branch.
 #[inline(always)]
 pub fn pow(x: f32, y: f32) -> f32 {
     crate::math::pow_special_y(x, y, pow_finite_y(x, y))

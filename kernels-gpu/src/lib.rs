@@ -2,7 +2,7 @@
 //!
 //! Compiled twice. For `nvptx64-nvidia-cuda` (by the root `build.rs`) it becomes the PTX module
 //! that the host loads; for the host it is an ordinary rlib that exports what both sides must
-//! agree on: each kernel family's parameter list ([`kernel`]), the op definitions ([`ops`]) and
+//! agree on: each kernel family's parameter list ([`mod@kernel`]), the op definitions ([`ops`]) and
 //! the math ([`math`]), so the CPU tests run the very code the GPU runs.
 //!
 //! Layout: `prim` (nvptx64 only) holds every device primitive (indices, barriers, shuffles, shared memory,
