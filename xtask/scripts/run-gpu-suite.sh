@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU test suite, from a bundle made by `cargo xtask gpu-bundle`; needs no Rust.
 # Run it from the repository root:
-#     bash .bundle/run-gpu-suite.sh [--tests-only | --skip-tests] [--no-anchors] [-- TEST ARGS]
+#     bash .bundle/run-gpu-suite.sh [--tests-only | --skip-tests] [--no-anchors] [--jobs N]
+#                                   [-- TEST ARGS]
 #
 #  1. unless --skip-tests: every test binary (bin/tests/*), tests in parallel, with
 #     KERNELS_REQUIRE_GPU=1 (a missing GPU fails every test instead of skipping it); TEST ARGS
 #     (e.g. a name filter) are passed on; then, if the bundle has the PyTorch package
-#     (python/), its pytest suite (run-python-tests.sh --tests-only), counted with the others;
+#     (python/), its pytest suite (run-python-tests.sh --tests-only), counted with the others.
+#     --jobs N runs up to N of these (the binaries and pytest) at once on the one GPU, each
+#     one's output printed whole when all have ended (default 1: one after another, printed
+#     as it runs);
 #  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
 #     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
 #     (to RES/torch-NAME.json);
@@ -31,18 +35,24 @@ fi
 TESTS_ONLY=0
 SKIP_TESTS=0
 ANCHORS_ON=1
+JOBS=1
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests-only) TESTS_ONLY=1 ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --no-anchors) ANCHORS_ON=0 ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --jobs) shift; JOBS="${1:-}" ;;
+    --jobs=*) JOBS="${1#--jobs=}" ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) ARGS+=("$1") ;;
   esac
   shift
 done
+case "$JOBS" in
+  '' | *[!0-9]* | 0) echo "error: --jobs takes a whole number of at least 1, got '$JOBS'"; exit 2 ;;
+esac
 
 export KERNELS_REQUIRE_GPU=1
 # cuBLAS for the GEMM bench's in-process baseline: the copy in PyTorch's pip wheels
@@ -76,16 +86,9 @@ fi
 # --- tests ------------------------------------------------------------------------------------
 TOTAL_P=0; TOTAL_F=0; TOTAL_S=0; NBIN=0
 SUMMARY=()
-for t in "$B"/bin/tests/*; do
-  [ "$SKIP_TESTS" -eq 0 ] || break
-  [ -f "$t" ] && [ -x "$t" ] || continue
-  name="$(basename "$t")"
-  NBIN=$((NBIN + 1))
-  echo "== test $name" | tee -a "$LOG"
-  : > "$TMP"
-  start=$SECONDS
-  "$t" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee -a "$LOG" "$TMP"
-  rc=${PIPESTATUS[0]}
+# Adds one test binary's counts to the totals: name, its output (a file), exit status, seconds.
+tally_bin() {
+  local name=$1 file=$2 rc=$3 secs=$4 p f s n note=""
   # Sum every "test result: ... N passed; N failed; N ignored; ..." line of this binary.
   read -r p f s n < <(awk '/^test result:/ {
       n++
@@ -94,30 +97,96 @@ for t in "$B"/bin/tests/*; do
         if ($i ~ /^failed;?$/) f += $(i - 1)
         if ($i ~ /^ignored;?$/) s += $(i - 1)
       }
-    } END { printf "%d %d %d %d\n", p, f, s, n }' "$TMP")
-  note=""
+    } END { printf "%d %d %d %d\n", p, f, s, n }' "$file")
   if [ "$n" -eq 0 ]; then
     f=$((f + 1)); note=" (no test result line: exit status $rc; counted as 1 failure)"
   elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
     f=1; note=" (exit status $rc with no failed test; counted as 1 failure)"
   fi
   TOTAL_P=$((TOTAL_P + p)); TOTAL_F=$((TOTAL_F + f)); TOTAL_S=$((TOTAL_S + s))
-  SUMMARY+=("  $name: $p passed, $f failed, $s skipped in $((SECONDS - start))s$note")
-done
-# The PyTorch package's tests (its script prints `python: N passed, N failed, N skipped` last).
-if [ "$SKIP_TESTS" -eq 0 ] && [ -f "$B/run-python-tests.sh" ]; then
-  echo "== python tests" | tee -a "$LOG"
-  : > "$TMP"
-  start=$SECONDS
-  bash "$B/run-python-tests.sh" --tests-only 2>&1 | tee -a "$LOG" "$TMP"
-  rc=${PIPESTATUS[0]}
-  read -r p f s < <(awk '/^python: [0-9]+ passed/ { p = $2; f = $4; s = $6 } END { printf "%d %d %d\n", p, f, s }' "$TMP")
-  note=""
-  if ! grep -q '^python: [0-9]* passed' "$TMP" || { [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; }; then
+  SUMMARY+=("  $name: $p passed, $f failed, $s skipped in ${secs}s$note")
+}
+# The same for the PyTorch package's tests (its script prints `python: N passed, N failed, N
+# skipped` last).
+tally_python() {
+  local file=$1 rc=$2 secs=$3 p f s note=""
+  read -r p f s < <(awk '/^python: [0-9]+ passed/ { p = $2; f = $4; s = $6 } END { printf "%d %d %d\n", p, f, s }' "$file")
+  if ! grep -q '^python: [0-9]* passed' "$file" || { [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; }; then
     f=$((f + 1)); note=" (exit status $rc; counted as 1 failure)"
   fi
   TOTAL_P=$((TOTAL_P + p)); TOTAL_F=$((TOTAL_F + f)); TOTAL_S=$((TOTAL_S + s))
-  SUMMARY+=("  python (pytest): $p passed, $f failed, $s skipped in $((SECONDS - start))s$note")
+  SUMMARY+=("  python (pytest): $p passed, $f failed, $s skipped in ${secs}s$note")
+}
+BINS=()
+if [ "$SKIP_TESTS" -eq 0 ]; then
+  for t in "$B"/bin/tests/*; do
+    [ -f "$t" ] && [ -x "$t" ] && BINS+=("$t")
+  done
+fi
+NBIN=${#BINS[@]}
+PYTESTS=0
+[ "$SKIP_TESTS" -eq 0 ] && [ -f "$B/run-python-tests.sh" ] && PYTESTS=1
+if [ "$JOBS" -eq 1 ]; then
+  for t in ${BINS[@]+"${BINS[@]}"}; do
+    name="$(basename "$t")"
+    echo "== test $name" | tee -a "$LOG"
+    : > "$TMP"
+    start=$SECONDS
+    "$t" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee -a "$LOG" "$TMP"
+    tally_bin "$name" "$TMP" "${PIPESTATUS[0]}" $((SECONDS - start))
+  done
+  if [ "$PYTESTS" -eq 1 ]; then
+    echo "== python tests" | tee -a "$LOG"
+    : > "$TMP"
+    start=$SECONDS
+    bash "$B/run-python-tests.sh" --tests-only 2>&1 | tee -a "$LOG" "$TMP"
+    tally_python "$TMP" "${PIPESTATUS[0]}" $((SECONDS - start))
+  fi
+else
+  # Each job writes its output to JD/<i>.out and "<exit status> <seconds>" to JD/<i>.rc; the
+  # outputs are printed and counted in the usual order once every job has ended. pytest (job
+  # p) starts first: it is one of the longest.
+  JD="$(mktemp -d)"
+  trap 'rm -f "$TMP"; rm -rf "$JD"' EXIT
+  run_job() { # id, command...
+    local id=$1 start=$SECONDS
+    shift
+    "$@" > "$JD/$id.out" 2>&1
+    echo "$? $((SECONDS - start))" > "$JD/$id.rc"
+  }
+  echo "== tests: $NBIN binaries$([ "$PYTESTS" -eq 0 ] || echo ' and pytest'), up to $JOBS at once" | tee -a "$LOG"
+  tests_start=$SECONDS
+  running=0
+  IDS=()
+  [ "$PYTESTS" -eq 0 ] || IDS+=(p)
+  for i in $(seq 0 $((NBIN - 1))); do IDS+=("$i"); done
+  for id in ${IDS[@]+"${IDS[@]}"}; do
+    if [ "$running" -ge "$JOBS" ]; then
+      wait -n
+      running=$((running - 1))
+    fi
+    if [ "$id" = p ]; then
+      run_job p bash "$B/run-python-tests.sh" --tests-only &
+    else
+      run_job "$id" "${BINS[$id]}" ${ARGS[@]+"${ARGS[@]}"} &
+    fi
+    running=$((running + 1))
+  done
+  wait
+  for i in $(seq 0 $((NBIN - 1))); do
+    name="$(basename "${BINS[$i]}")"
+    echo "== test $name" | tee -a "$LOG"
+    tee -a "$LOG" < "$JD/$i.out"
+    read -r rc secs < "$JD/$i.rc" || { rc=1; secs=0; }
+    tally_bin "$name" "$JD/$i.out" "$rc" "$secs"
+  done
+  if [ "$PYTESTS" -eq 1 ]; then
+    echo "== python tests" | tee -a "$LOG"
+    tee -a "$LOG" < "$JD/p.out"
+    read -r rc secs < "$JD/p.rc" || { rc=1; secs=0; }
+    tally_python "$JD/p.out" "$rc" "$secs"
+  fi
+  SUMMARY+=("  (up to $JOBS at once: $((SECONDS - tests_start))s in all)")
 fi
 if [ "$NBIN" -eq 0 ] && [ "$SKIP_TESTS" -eq 0 ]; then
   echo "error: no test binaries under $B/bin/tests" | tee -a "$LOG"

@@ -472,6 +472,29 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
         let (code, last, all) = run(&b.join("out2"), &["--tests-only"]);
         assert_eq!((code, last.as_str()), (Some(1), "6 passed, 3 failed, 1 skipped"), "{all}");
         assert!(all.contains("d: 0 passed, 1 failed, 0 skipped") && all.contains("no test result line"), "{all}");
+
+        // The same binaries three at a time: the same counts, each output whole and in order.
+        let (code, last, all) = run(&b.join("out5"), &["--tests-only", "--jobs", "3"]);
+        assert_eq!((code, last.as_str()), (Some(1), "6 passed, 3 failed, 1 skipped"), "{all}");
+        let log = std::fs::read_to_string(b.join("out5").join("tests.log")).unwrap();
+        let at = |s: &str| log.find(s).unwrap_or_else(|| panic!("{s:?} not in {log}"));
+        assert!(at("== test a") < at("test x ... ok") && at("test x ... ok") < at("== test b"), "{log}");
+        assert!(at("== test c") < at("== test d") && at("== test d") < at("starting"), "{log}");
+        assert!(all.contains("d: 0 passed, 1 failed, 0 skipped") && all.contains("up to 3 at once"), "{all}");
+        let (code, _, all) = run(&b.join("out6"), &["--tests-only", "--jobs", "0"]);
+        assert_eq!(code, Some(2), "{all}");
+
+        // pytest counted with the binaries, one after another and as a job of its own.
+        fake_bin(
+            &b,
+            "run-python-tests.sh",
+            r#"[ "$1" = --tests-only ] || exit 9; echo "python: 4 passed, 0 failed, 2 skipped""#,
+        );
+        for (out, flags) in [("out7", &["--tests-only"][..]), ("out8", &["--tests-only", "--jobs=2"][..])] {
+            let (code, last, all) = run(&b.join(out), flags);
+            assert_eq!((code, last.as_str()), (Some(1), "10 passed, 3 failed, 3 skipped"), "{all}");
+            assert!(all.contains("python (pytest): 4 passed, 0 failed, 2 skipped"), "{all}");
+        }
         let _ = std::fs::remove_dir_all(&b);
     }
 

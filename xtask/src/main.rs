@@ -65,8 +65,9 @@ Builds in release the test binaries, benches and examples of the `kernels` packa
     DIR/*.py                     benches/*.py and scripts/*.py, if any
     DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_NAME.py,
                                  shared/anchors.py and compare.py; run it from the repository
-                                 root; --tests-only, --skip-tests, --no-anchors; results and
-                                 logs under $OUT if set (see its --help)
+                                 root; --tests-only, --skip-tests, --no-anchors, --jobs N
+                                 (N test binaries at once); results and logs under $OUT if
+                                 set (see its --help)
     DIR/run-sanitizer.sh         the tests under compute-sanitizer memcheck, racecheck and
                                  synccheck; --tool T, --bin NAME (see its --help)
     DIR/MANIFEST.txt             what the bundle holds
