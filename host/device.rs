@@ -85,8 +85,11 @@ fn modules_for(arch: &str) -> Option<&'static [PtxModule]> {
 /// Grid and block of a launch, plus its dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks in x, y, z.
     pub grid: (u32, u32, u32),
+    /// Threads a block in x, y, z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory a block, in bytes.
     pub shared_bytes: u32,
 }
 
@@ -216,6 +219,7 @@ impl Device {
         Ok(d)
     }
 
+    /// The device's index, as given to [`Device::cuda`].
     pub fn ordinal(&self) -> usize {
         self.0.ordinal
     }
@@ -223,6 +227,7 @@ impl Device {
     pub fn name(&self) -> &str {
         &self.0.name
     }
+    /// The compute capability (major, minor): `(9, 0)` for an H100.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.0.compute_capability
     }
@@ -236,6 +241,7 @@ impl Device {
     pub(crate) fn has_kernel(&self, name: &str) -> bool {
         self.0.by_name.contains_key(name)
     }
+    /// The number of streaming multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.0.sm_count
     }

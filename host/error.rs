@@ -4,31 +4,88 @@
 use crate::DType;
 use std::fmt;
 
+/// The library's result: [`Error`] unless said otherwise.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What went wrong, and in which call. `op` is the public function or method that failed (e.g.
+/// `"softmax"`, `"Tensor::from_slice"`); its `Display` is one line that names it.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Error {
     /// The NVIDIA driver library (`libcuda.so.1`) could not be loaded or initialised.
-    NoDriver { detail: String },
+    NoDriver {
+        /// What the loader or `cuInit` said.
+        detail: String,
+    },
     /// The requested GPU does not exist.
-    NoDevice { ordinal: usize, available: usize },
+    NoDevice {
+        /// The index asked for.
+        ordinal: usize,
+        /// How many GPUs the driver sees.
+        available: usize,
+    },
     /// Device memory ran out.
-    OutOfMemory { op: &'static str, bytes: usize },
+    OutOfMemory {
+        /// The call that ran out.
+        op: &'static str,
+        /// The allocation's size in bytes (0 where the driver ran out outside an allocation).
+        bytes: usize,
+    },
     /// Two tensors (or a tensor and what the op expects) have incompatible shapes.
-    ShapeMismatch { op: &'static str, expected: Vec<usize>, got: Vec<usize>, detail: &'static str },
+    ShapeMismatch {
+        /// The call.
+        op: &'static str,
+        /// The shape that would fit.
+        expected: Vec<usize>,
+        /// The shape given.
+        got: Vec<usize>,
+        /// Which operand, and the rule it breaks.
+        detail: &'static str,
+    },
     /// Two tensors that must share a dtype do not.
-    DTypeMismatch { op: &'static str, expected: DType, got: DType },
+    DTypeMismatch {
+        /// The call.
+        op: &'static str,
+        /// The dtype that would fit (usually the first input's).
+        expected: DType,
+        /// The dtype given.
+        got: DType,
+    },
     /// Tensors on different devices were combined.
-    DeviceMismatch { op: &'static str, expected: usize, got: usize },
+    DeviceMismatch {
+        /// The call.
+        op: &'static str,
+        /// The first input's device ordinal.
+        expected: usize,
+        /// The other tensor's.
+        got: usize,
+    },
     /// An argument out of its domain (a length that does not match the shape, a bad parameter).
-    InvalidArgument { op: &'static str, message: String },
+    InvalidArgument {
+        /// The call.
+        op: &'static str,
+        /// What was wrong, with the values.
+        message: String,
+    },
     /// The embedded PTX has no kernel of this name (the host and device builds disagree).
-    KernelNotFound { name: String },
+    KernelNotFound {
+        /// The kernel's name.
+        name: String,
+    },
     /// A launch was refused, or a kernel faulted while running.
-    Kernel { kernel: String, message: String },
+    Kernel {
+        /// The kernel's name.
+        kernel: String,
+        /// The driver's error.
+        message: String,
+    },
     /// Any other CUDA driver error.
-    Driver { op: &'static str, message: String },
+    Driver {
+        /// The call.
+        op: &'static str,
+        /// The driver's error.
+        message: String,
+    },
 }
 
 impl fmt::Display for Error {

@@ -8,8 +8,11 @@ use std::sync::Arc;
 
 /// Host element types and their [`DType`]: `f32`, `half::f16`, `half::bf16`.
 pub trait Element: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// The tensor dtype of this host type.
     const DTYPE: DType;
+    /// The value as f32 (exact for all three).
     fn to_f32(self) -> f32;
+    /// The nearest value of this type (round to nearest even).
     fn from_f32(x: f32) -> Self;
 }
 mod sealed {
@@ -236,15 +239,19 @@ impl Tensor {
         Ok(Tensor { shape: shape.to_vec(), ..self })
     }
 
+    /// The dimensions, outermost first (row-major, contiguous).
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// The element type in device memory.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// The GPU that holds the data.
     pub fn device(&self) -> &Device {
         self.buf.device()
     }
+    /// The number of elements (1 for shape `[]`, 0 if a dimension is 0).
     pub fn numel(&self) -> usize {
         self.buf.bytes() / self.dtype.size()
     }
@@ -340,12 +347,15 @@ impl IndexTensor {
         Ok(v)
     }
 
+    /// The dimensions, outermost first.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// The GPU that holds the indices.
     pub fn device(&self) -> &Device {
         self.buf.device()
     }
+    /// The number of indices.
     pub fn numel(&self) -> usize {
         self.buf.bytes() / 8
     }

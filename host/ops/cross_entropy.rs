@@ -28,7 +28,9 @@ pub enum Reduction {
 /// label smoothing.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrossEntropyOpts {
+    /// How the rows' losses are combined.
     pub reduction: Reduction,
+    /// Rows whose target is this class contribute no loss and get a zero gradient.
     pub ignore_index: i64,
     /// In `[0, 1]`: the target distribution is `(1 - s)` on the class plus `s / C` everywhere.
     pub label_smoothing: f32,

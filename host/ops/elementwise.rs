@@ -19,12 +19,18 @@ use kernels_gpu::{DType, Elem};
 /// definitions, including `approximate="tanh"` GELU and softplus's `beta` and `threshold`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Activation {
+    /// `x`.
     Identity,
+    /// `max(x, 0)`; NaN stays NaN.
     Relu,
+    /// `x` where `x > 0`, else `negative_slope * x` ([`Activation::LEAKY_RELU`]: PyTorch's 0.01).
     LeakyRelu {
+        /// The slope below 0.
         negative_slope: f32,
     },
+    /// `1 / (1 + exp(-x))`.
     Sigmoid,
+    /// `tanh(x)`.
     Tanh,
     /// `x * Phi(x)` with the exact normal CDF (erf form).
     Gelu,
@@ -36,7 +42,9 @@ pub enum Activation {
     Mish,
     /// `log(1 + exp(beta * x)) / beta`, and `x` where `beta * x > threshold`.
     Softplus {
+        /// The sharpness: finite and not 0.
         beta: f32,
+        /// Above `beta * x > threshold` the function is `x` (PyTorch's linear region).
         threshold: f32,
     },
 }
@@ -79,26 +87,42 @@ impl Activation {
 /// A unary op: math, arithmetic with a scalar, or an activation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryOp {
+    /// `-x`.
     Neg,
+    /// `|x|` (derivative `sign(x)`, 0 at 0, as PyTorch).
     Abs,
+    /// `e^x`.
     Exp,
+    /// The natural logarithm (NaN below 0, `-inf` at 0).
     Log,
+    /// `e^x - 1`, accurate near 0.
     Expm1,
+    /// `log(1 + x)`, accurate near 0.
     Log1p,
+    /// The error function.
     Erf,
+    /// `sqrt(x)` (NaN below 0).
     Sqrt,
+    /// `1 / sqrt(x)`.
     Rsqrt,
     /// `x ^ p`.
     Pow(f32),
     /// `min(max(x, min), max)`, NaN propagated.
     Clamp {
+        /// The lower bound.
         min: f32,
+        /// The upper bound.
         max: f32,
     },
+    /// `x + s`.
     AddScalar(f32),
+    /// `x - s`.
     SubScalar(f32),
+    /// `x * s`.
     MulScalar(f32),
+    /// `x / s`.
     DivScalar(f32),
+    /// An activation.
     Act(Activation),
 }
 
@@ -156,9 +180,13 @@ fn act_as_unary(a: ActKernel) -> Unary {
 /// A binary op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BinaryOp {
+    /// `a + b`.
     Add,
+    /// `a - b`.
     Sub,
+    /// `a * b`.
     Mul,
+    /// `a / b`.
     Div,
 }
 
@@ -425,8 +453,11 @@ fn scale_bias_act_impl(
 
 /// Gradients of `act(x * scale + bias)`.
 pub struct ScaleBiasActGrads {
+    /// Of `x`: its shape and dtype.
     pub x: Tensor,
+    /// Of `scale`: shape `[last_dim]`, summed over the other dimensions.
     pub scale: Tensor,
+    /// Of `bias`: shape `[last_dim]`, summed over the other dimensions.
     pub bias: Tensor,
 }
 

@@ -27,9 +27,13 @@ use kernels_gpu::kernel::Params;
 /// never reads C, so C may hold anything (NaN included) before; `alpha = 0` skips the product.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gemm {
+    /// Read A as its transpose.
     pub trans_a: bool,
+    /// Read B as its transpose.
     pub trans_b: bool,
+    /// The product's factor.
     pub alpha: f32,
+    /// C's factor (0: C is written, not read).
     pub beta: f32,
     /// How the products are computed; `None`: the device's setting
     /// ([`Device::set_f32_matmul_precision`], f32 FMAs unless set).
@@ -107,6 +111,7 @@ const MAX_GRID_YZ: u64 = 65_535;
 /// How one GEMM runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmPlan {
+    /// The kernel's tile shape.
     pub tile: Tile,
     /// K slices (1: no split).
     pub splits: u64,

@@ -21,6 +21,7 @@ use kernels_gpu::DType;
 /// What [`linear_train`] keeps for the backward: the pre-activation `z` when the activation's
 /// derivative needs it (all but identity and relu).
 pub struct LinearSaved {
+    /// `z = x @ W^T + b`, `[rows, out]`, where the activation's derivative needs it.
     pub pre: Option<Tensor>,
     act: Activation,
 }

@@ -21,15 +21,20 @@ pub const LAYER_NORM_EPS: f32 = 1e-5;
 /// `rstd = 1 / sqrt(var + eps)`, f32 of shape `x.shape()[..last]`.
 #[derive(Debug)]
 pub struct NormStats {
+    /// Each row's mean (layer norm; `None` for RMS norm).
     pub mean: Option<Tensor>,
+    /// Each row's `1 / sqrt(var + eps)` (layer norm) or `1 / sqrt(mean(x^2) + eps)` (RMS norm).
     pub rstd: Tensor,
 }
 
 /// Gradients of a norm: of the input, and of the weight and bias where the forward had them.
 #[derive(Debug)]
 pub struct NormGrads {
+    /// Of the input: its shape and dtype.
     pub x: Tensor,
+    /// Of the weight (`[cols]`), where asked for.
     pub weight: Option<Tensor>,
+    /// Of the bias (`[cols]`, layer norm only), where asked for.
     pub bias: Option<Tensor>,
 }
 

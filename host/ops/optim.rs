@@ -19,10 +19,15 @@ use kernels_gpu::{DType, Elem};
 /// `weight_decay = 1e-2`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
+    /// The learning rate.
     pub lr: f64,
+    /// The first moment's decay.
     pub beta1: f64,
+    /// The second moment's decay.
     pub beta2: f64,
+    /// Added to the second moment's square root.
     pub eps: f64,
+    /// Decoupled weight decay: each step multiplies the parameter by `1 - lr * weight_decay`.
     pub weight_decay: f64,
 }
 

@@ -26,9 +26,13 @@ use kernels_gpu::rows::{MAX_GROUP, reduce_smem_bytes};
 /// A reduction to values of the input's dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// The sum (0 over nothing).
     Sum,
+    /// The mean (NaN over nothing).
     Mean,
+    /// The largest element (NaN if any is NaN; an error over nothing).
     Max,
+    /// The smallest element (NaN if any is NaN; an error over nothing).
     Min,
 }
 

@@ -30,8 +30,11 @@ pub type CrossEntropyBwdArgs<T> =
 /// `MODE_MEAN`) and writes the count (f32) to `count[0]`.
 pub type CrossEntropyReduceArgs<T> = (*const f32, *const i64, *mut T, *mut f32, u64, i64, u32);
 
+/// `mode` of `cross_entropy_reduce`: no reduction (the kernel is not launched for it).
 pub const MODE_NONE: u32 = 0;
+/// `mode`: the sum of the rows' losses.
 pub const MODE_SUM: u32 = 1;
+/// `mode`: their mean over the rows not ignored.
 pub const MODE_MEAN: u32 = 2;
 /// Threads of the one block of `cross_entropy_reduce`.
 pub const REDUCE_THREADS: u32 = 1024;

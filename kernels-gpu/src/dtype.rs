@@ -4,12 +4,16 @@
 /// The element types of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16 (`half::f16`).
     F16,
+    /// bfloat16 (`half::bf16`): f32's exponent range, 8 bits of precision.
     BF16,
 }
 
 impl DType {
+    /// The three, in this order.
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
     /// Bytes per element.
@@ -43,6 +47,7 @@ pub struct BF16(pub u16);
 /// A storage type. Kernels move data 16 bytes at a time: `VEC` elements, unpacked into the first
 /// `VEC` lanes of an `[f32; 8]` (8 is the most any type packs into 16 bytes).
 pub trait Elem: Copy + 'static {
+    /// The dtype this storage type is.
     const DTYPE: DType;
     /// Elements in 16 bytes.
     const VEC: usize;

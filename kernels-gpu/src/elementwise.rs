@@ -56,6 +56,7 @@ pub const fn unroll(dt: crate::DType) -> usize {
 }
 /// Block shape of the column-reduction kernels: 32 columns by `ROWS_PER_BLOCK` row lanes.
 pub const COL_BLOCK_X: u32 = 32;
+/// The row lanes of [`COL_BLOCK_X`]'s block.
 pub const COL_BLOCK_Y: u32 = 8;
 
 /// Elements per 16-byte vector of `T`, for the host's grid sizing.

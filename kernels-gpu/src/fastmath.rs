@@ -21,6 +21,7 @@ pub fn exp(x: f32) -> f32 {
     crate::math::exp(x)
 }
 
+/// [`exp`]; `FTZ` picks the GPU's form of its last step, and the CPU has one.
 #[cfg(not(target_arch = "nvptx64"))]
 #[inline(always)]
 pub fn exp_with<const FTZ: bool>(x: f32) -> f32 {
@@ -116,6 +117,7 @@ pub fn erf_with<const FTZ: bool>(x: f32) -> f32 {
 #[cfg(not(target_arch = "nvptx64"))]
 pub use crate::math::erf;
 
+/// [`erf`]; `FTZ` as in [`exp_with`].
 #[cfg(not(target_arch = "nvptx64"))]
 #[inline(always)]
 pub fn erf_with<const FTZ: bool>(x: f32) -> f32 {

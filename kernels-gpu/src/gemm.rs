@@ -63,11 +63,13 @@ pub type SplitKReduceArgs = (*const f32, *mut f32, *const f32, u32, u32, u64, u3
 
 /// Epilogue codes.
 pub const EPI_IDENTITY: u32 = 0;
+/// `max(x, 0)`.
 pub const EPI_RELU: u32 = 1;
 /// GELU with the exact normal CDF (PyTorch's default `gelu`).
 pub const EPI_GELU: u32 = 2;
 /// PyTorch's `gelu(x, approximate="tanh")`.
 pub const EPI_GELU_TANH: u32 = 3;
+/// `x * sigmoid(x)`.
 pub const EPI_SILU: u32 = 4;
 
 /// K steps per shared-memory stage.
@@ -78,11 +80,14 @@ pub const PAD: u32 = 4;
 /// A tile configuration: `bm x bn` of C per block, 8 x 8 per thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tile {
+    /// Rows of C a block.
     pub bm: u32,
+    /// Columns of C a block.
     pub bn: u32,
 }
 
 impl Tile {
+    /// Threads a block: one per 8 x 8 of the tile.
     pub const fn threads(self) -> u32 {
         self.bm * self.bn / 64
     }
@@ -96,6 +101,7 @@ impl Tile {
 /// fill the GPU, the host splits K instead. (A 64 x 64 tile with 64 threads, two staged chunks
 /// per operand, spilled 264 bytes under ptxas for the `nn` and `tt` layouts; see NOTES.md.)
 pub const TILE_128: Tile = Tile { bm: 128, bn: 128 };
+/// The tiles built.
 pub const TILES: [Tile; 1] = [TILE_128];
 
 /// Name of the GEMM kernel for the transposes of A and B and a tile of [`TILES`] (the only one
@@ -110,6 +116,7 @@ pub fn gemm_kernel(trans_a: bool, trans_b: bool, tile: Tile) -> &'static str {
     }
 }
 
+/// The split-K reduction's kernel name ([`SplitKReduceArgs`]).
 pub const SPLITK_REDUCE_KERNEL: &str = "gemm_splitk_reduce";
 /// Threads per block of the split-K reduction.
 pub const SPLITK_THREADS: u32 = 256;

@@ -42,8 +42,9 @@
 
 use crate::gemm::GemmArgs;
 
-/// Rows (M) and columns (N) of C per block.
+/// Rows (M) of C per block.
 pub const BM: u32 = 128;
+/// Columns (N) of C per block.
 pub const BN: u32 = 128;
 /// K steps per stage.
 pub const BK: u32 = 32;

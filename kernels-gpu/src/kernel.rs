@@ -14,21 +14,37 @@
 pub trait Params {
     /// Number of parameters.
     const ARITY: usize;
+    /// The type of parameter 0 ([`Unused`] past the arity, as for each `P<i>`).
     type P0;
+    /// The type of parameter 1.
     type P1;
+    /// The type of parameter 2.
     type P2;
+    /// The type of parameter 3.
     type P3;
+    /// The type of parameter 4.
     type P4;
+    /// The type of parameter 5.
     type P5;
+    /// The type of parameter 6.
     type P6;
+    /// The type of parameter 7.
     type P7;
+    /// The type of parameter 8.
     type P8;
+    /// The type of parameter 9.
     type P9;
+    /// The type of parameter 10.
     type P10;
+    /// The type of parameter 11.
     type P11;
+    /// The type of parameter 12.
     type P12;
+    /// The type of parameter 13.
     type P13;
+    /// The type of parameter 14.
     type P14;
+    /// The type of parameter 15.
     type P15;
 }
 

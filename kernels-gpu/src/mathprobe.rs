@@ -13,14 +13,23 @@ pub const MATH_PROBE_POW: &str = "math_probe_pow_f32";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum MathFn {
+    /// `fastmath::exp`.
     Exp = 0,
+    /// `fastmath::expm1`.
     Expm1 = 1,
+    /// `fastmath::log`.
     Log = 2,
+    /// `fastmath::log1p`.
     Log1p = 3,
+    /// `fastmath::tanh`.
     Tanh = 4,
+    /// `fastmath::erf`.
     Erf = 5,
+    /// `sin(pi x)` (`fastmath::sinpi`).
     Sinpi = 6,
+    /// `cos(pi x)` (`fastmath::cospi`).
     Cospi = 7,
+    /// `fastmath::sqrt`.
     Sqrt = 8,
     /// `fastmath::normal_cdf`, GELU's Phi (not an ulp-accurate function: its own bound).
     NormalCdf = 9,
@@ -31,6 +40,7 @@ pub enum MathFn {
 }
 
 impl MathFn {
+    /// Every function, in code order.
     pub const ALL: [MathFn; 12] = [
         MathFn::Exp,
         MathFn::Expm1,

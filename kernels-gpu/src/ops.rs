@@ -9,6 +9,7 @@ use crate::fastmath as math;
 
 /// An element-wise op with up to two scalar parameters `a`, `b`.
 pub trait UnaryFn {
+    /// The op at `x`, in f32.
     fn fwd(x: f32, a: f32, b: f32) -> f32;
     /// d/dx of `fwd`, times the incoming gradient `g`.
     fn bwd(x: f32, g: f32, a: f32, b: f32) -> f32;
@@ -31,18 +32,22 @@ pub trait UnaryFn {
     /// `math::recip`). `fwd` must equal `fwd_in::<fwd_form(a, b)>` (likewise `bwd`), and an op
     /// with forms computes f16/bf16 storage with them too (`fwd_half` is not called).
     const FORMS: u32 = 1;
+    /// The forward's form for the parameters `a`, `b`.
     #[inline(always)]
     fn fwd_form(_a: f32, _b: f32) -> u32 {
         0
     }
+    /// The backward's form for the parameters `a`, `b`.
     #[inline(always)]
     fn bwd_form(_a: f32, _b: f32) -> u32 {
         0
     }
+    /// `fwd` in form `F`.
     #[inline(always)]
     fn fwd_in<const F: u32>(x: f32, a: f32, b: f32) -> f32 {
         Self::fwd(x, a, b)
     }
+    /// `bwd` in form `F`.
     #[inline(always)]
     fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, b: f32) -> f32 {
         Self::bwd(x, g, a, b)
@@ -120,6 +125,7 @@ pub fn bwd_form_for<O: UnaryFn, T: crate::Elem, const F: u32>(x: f32, g: f32, a:
 
 /// A binary op on two tensors of one shape (or a tensor and a broadcast row).
 pub trait BinaryFn {
+    /// The op at `(x, y)`, in f32.
     fn fwd(x: f32, y: f32) -> f32;
     /// (dL/dx, dL/dy) given dL/dout = g.
     fn bwd(x: f32, y: f32, g: f32) -> (f32, f32);
@@ -135,7 +141,14 @@ fn sigmoid(x: f32) -> f32 {
     math::recip(1.0 + math::exp(-x))
 }
 
+// An op without doc comments is documented by its two formulas.
 macro_rules! unary {
+    ($name:ident, |$x:ident, $a:ident, $b:ident| $fwd:expr, |$gx:ident, $g:ident, $ga:ident, $gb:ident| $bwd:expr) => {
+        unary!(
+            #[doc = concat!("`", stringify!($fwd), "`; backward `", stringify!($bwd), "` (`g`: the incoming gradient).")]
+            $name, |$x, $a, $b| $fwd, |$gx, $g, $ga, $gb| $bwd
+        );
+    };
     ($(#[$m:meta])* $name:ident, |$x:ident, $a:ident, $b:ident| $fwd:expr, |$gx:ident, $g:ident, $ga:ident, $gb:ident| $bwd:expr) => {
         $(#[$m])*
         pub struct $name;
@@ -163,18 +176,23 @@ unary!(DivScalar, |x, a, b| x / a, |x, g, a, b| g / a);
 
 // --- math ---------------------------------------------------------------------------------------
 // d|x|/dx = sgn(x), with sgn(0) = 0 and sgn(NaN) = NaN, as torch.sgn.
-unary!(Abs, |x, a, b| abs(x), |x, g, a, b| {
-    let s = if x > 0.0 {
-        1.0
-    } else if x < 0.0 {
-        -1.0
-    } else if x == 0.0 {
-        0.0
-    } else {
-        x
-    };
-    g * s
-});
+unary!(
+    /// `|x|`; backward `g * sgn(x)`.
+    Abs,
+    |x, a, b| abs(x),
+    |x, g, a, b| {
+        let s = if x > 0.0 {
+            1.0
+        } else if x < 0.0 {
+            -1.0
+        } else if x == 0.0 {
+            0.0
+        } else {
+            x
+        };
+        g * s
+    }
+);
 /// e^x. For f16/bf16 storage the special function unit's 2^x alone (`fastmath::exp_for`, error
 /// under 1/60 of an f16 ulp): with the f32 exp's exactly reduced argument (about 28 instructions
 /// an element) the bf16 forward ran at 0.968x PyTorch's bandwidth.
@@ -208,10 +226,15 @@ unary!(Sqrt, |x, a, b| math::sqrt(x), |x, g, a, b| g / (2.0 * math::sqrt(x)));
 // `1.0 / sqrt(x)` is two IEEE operations with a slow-path branch each (0.84-0.91x PyTorch at
 // 2^16 in four runs). d/dx x^-1/2 = -1/2 r^3. Multiplied into g one factor of r at a time: the
 // intermediates then stay in range wherever the result is (r^3 alone overflows f32 for x < 2e-26).
-unary!(Rsqrt, |x, a, b| math::rsqrt(x), |x, g, a, b| {
-    let r = math::rsqrt(x);
-    -0.5 * (((g * r) * r) * r)
-});
+unary!(
+    /// `1 / sqrt(x)`; backward `-g r^3 / 2` with `r = rsqrt(x)`.
+    Rsqrt,
+    |x, a, b| math::rsqrt(x),
+    |x, g, a, b| {
+        let r = math::rsqrt(x);
+        -0.5 * (((g * r) * r) * r)
+    }
+);
 /// x^p for a scalar p, in six forms chosen once per launch ([`UnaryFn::FORMS`]): the exponents
 /// PyTorch also special-cases by multiplication (x x and (x x) x, within 1 ulp and C99's pow at
 /// zeros, infinities and NaN; x; 1 / x), the general path `fastmath::pow_finite_y` for any other
@@ -291,6 +314,7 @@ impl UnaryFn for Pow {
 
 // min(max(x, lo), hi) with NaN propagated; gradient passes on [lo, hi], bounds included.
 unary!(
+    /// `min(max(x, a), b)`, NaN propagated; the gradient passes on `[a, b]`.
     Clamp,
     |x, a, b| {
         let y = if x < a { a } else { x };
@@ -331,11 +355,16 @@ impl UnaryFn for Sigmoid {
 // no cancellation for any x (the accurate tanh's range split and compensated steps, then
 // 1 - t^2, made the f32 backward compute-bound at 0.965x PyTorch). At x = +-inf, e = 0 and the
 // result is g * 0 (NaN for infinite g), as PyTorch's g (1 - 1).
-unary!(Tanh, |x, a, b| math::tanh(x), |x, g, a, b| {
-    let e = math::exp(-2.0 * abs(x));
-    let s = math::recip(1.0 + e);
-    g * (4.0 * e * s * s)
-});
+unary!(
+    /// `tanh(x)`; backward `g (1 - tanh(x)^2)`, as `4 e / (1 + e)^2` with `e = exp(-2|x|)`.
+    Tanh,
+    |x, a, b| math::tanh(x),
+    |x, g, a, b| {
+        let e = math::exp(-2.0 * abs(x));
+        let s = math::recip(1.0 + e);
+        g * (4.0 * e * s * s)
+    }
+);
 const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
 /// GELU, erf form: `x Phi(x)`.
 ///
@@ -364,10 +393,13 @@ impl UnaryFn for GeluErf {
         x * math::normal_cdf(x)
     }
 }
-// sqrt(2/pi) and the cubic coefficient of the tanh approximation, as PyTorch's kBeta, kKappa.
+/// sqrt(2/pi), as PyTorch's `kBeta` in the tanh approximation of GELU.
 pub const GELU_BETA: f32 = 0.797_884_6;
+/// The cubic coefficient of the tanh approximation, as PyTorch's `kKappa`.
 pub const GELU_KAPPA: f32 = 0.044_715;
 unary!(
+    /// PyTorch's `gelu(x, approximate="tanh")`: `x / (1 + exp(-2u))` with
+    /// `u = GELU_BETA (x + GELU_KAPPA x^3)`.
     GeluTanh,
     // 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^-2u): one exp and a division instead of
     // the accurate tanh's range split and double-f32 steps (0.90x PyTorch at 2^28 with it, the
@@ -443,14 +475,19 @@ fn mish_parts(x: f32) -> (f32, f32) {
     let r = math::recip(dt * ds);
     (n * ds * r, e * dt * r)
 }
-unary!(Mish, |x, a, b| if x >= 20.0 { x } else { x * mish_t(x) }, |x, g, a, b| {
-    if x >= 20.0 {
-        g * (1.0 + x * 0.0)
-    } else {
-        let (t, s) = mish_parts(x);
-        g * (t + x * s * (1.0 - t * t))
+unary!(
+    /// `x tanh(softplus(x))` (`x` from 20 on).
+    Mish,
+    |x, a, b| if x >= 20.0 { x } else { x * mish_t(x) },
+    |x, g, a, b| {
+        if x >= 20.0 {
+            g * (1.0 + x * 0.0)
+        } else {
+            let (t, s) = mish_parts(x);
+            g * (t + x * s * (1.0 - t * t))
+        }
     }
-});
+);
 // softplus(x; beta = a, threshold = b): linear above the threshold, as PyTorch.
 /// `log(1 + e^z)` for finite or infinite `z` (NaN passes): `max(z, 0) + log1p(t)` with
 /// `t = e^-|z|` in `(0, 1]`, so that the log1p is of a bounded argument and needs no general
@@ -480,6 +517,7 @@ fn softplus_unit(z: f32) -> f32 {
 }
 
 unary!(
+    /// `log(1 + exp(a x)) / a`, and `x` where `a x > b` (PyTorch's `beta`, `threshold`).
     Softplus,
     |x, a, b| {
         let z = x * a;
@@ -508,6 +546,7 @@ unary!(Identity, |x, a, b| x, |x, g, a, b| g);
 // --- binary -------------------------------------------------------------------------------------
 macro_rules! binary {
     ($name:ident, |$x:ident, $y:ident| $fwd:expr, |$bx:ident, $by:ident, $g:ident| $bwd:expr) => {
+        #[doc = concat!("`", stringify!($fwd), "`; backward `", stringify!($bwd), "` (`g`: the incoming gradient).")]
         pub struct $name;
         impl BinaryFn for $name {
             #[inline(always)]
@@ -556,6 +595,7 @@ macro_rules! activation_list {
     };
 }
 
+/// The binary ops, as [`unary_list`].
 #[macro_export]
 macro_rules! binary_list {
     ($m:ident) => {
@@ -573,8 +613,9 @@ macro_rules! op_enum {
     (@enum $(#[$m:meta])* $Enum:ident; [$($op:ident $O:ident),* $(,)?]) => {
         $(#[$m])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum $Enum { $($O),* }
+        pub enum $Enum { $(#[doc = concat!("`", stringify!($op), "`.")] $O),* }
         impl $Enum {
+            /// Every op of the list, in its order.
             pub const ALL: &'static [$Enum] = &[$($Enum::$O),*];
             /// The op's stem, as in the kernel names.
             pub const fn stem(self) -> &'static str {

@@ -62,9 +62,13 @@ pub const fn unroll(dt: crate::DType) -> usize {
 pub struct AdamWScalars {
     /// `lr * weight_decay`.
     pub lr_wd: f32,
+    /// The first moment's decay.
     pub beta1: f32,
+    /// `1 - beta1`, rounded once on the host.
     pub one_minus_beta1: f32,
+    /// The second moment's decay.
     pub beta2: f32,
+    /// `1 - beta2`, rounded once on the host.
     pub one_minus_beta2: f32,
     /// `lr * bc2_sqrt / bc1`.
     pub step_size: f32,

@@ -18,8 +18,12 @@ use alloc::vec::Vec;
 
 /// One module: its key (see [`module_key`]), its PTX text, and its entries in order.
 pub struct PtxModule {
+    /// The module's name, from its entries' op.
     pub key: String,
+    /// A whole PTX module: the PTX's header, then its entries and the functions and globals they
+    /// use, in the PTX's order.
     pub text: String,
+    /// The kernels (`.entry`) it holds, in the PTX's order.
     pub entries: Vec<String>,
 }
 

@@ -67,7 +67,10 @@ pub const fn vector_path(dt: DType, rows: u64, cols: u64) -> bool {
 pub enum Tiling {
     /// `S x S` micro-blocks of `V x V` elements a tile, one thread each; `slots` is `S`, 16 or
     /// [`SMALL_VEC_SLOTS`]. Needs `vector_path`.
-    Vector { slots: u32 },
+    Vector {
+        /// `S`: micro-blocks a tile side.
+        slots: u32,
+    },
     /// `32 x 32` elements a tile, `32 x 8` threads; any shape.
     Scalar,
 }
