@@ -1,6 +1,6 @@
 //! The linear layer, `y = act(x @ W^T + b)` (PyTorch's `act(F.linear(x, W, b))`), forward and
-//! backward, built on the GEMM of [`mod@super::gemm`] and the element-wise kernels. No kernels of its
-//! own, so it has no device-side file.
+//! backward, built on the GEMM of [`mod@super::gemm`] and the element-wise kernels. No kernels
+//! of its own, so it has no device-side file.
 //!
 //! - Inference ([`linear`]): one GEMM whose store adds the bias and applies the activation
 //!   (relu, GELU, GELU-tanh, SiLU; another activation costs one element-wise pass more).

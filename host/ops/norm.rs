@@ -375,7 +375,8 @@ const ONE_CLUSTER_MAX_COLS: u64 = 4096;
 
 /// Whether `rows` x `cols` (with `vec` elements a vector) is a shape for the single cluster: a
 /// row a block for at most [`ONE_CLUSTER`] rows, at most [`ONE_CLUSTER_MAX_COLS`] columns, whole
-/// vectors.
+/// vectors. With more rows a block it lost to the wider grids of the other plans (64 x 1024 f32
+/// in eight blocks of eight rows: 9.5 -> 11.0 us).
 fn one_cluster_shape(rows: u64, cols: u64, vec: u64) -> bool {
     (1..=ONE_CLUSTER as u64).contains(&rows) && cols <= ONE_CLUSTER_MAX_COLS && cols.is_multiple_of(vec)
 }

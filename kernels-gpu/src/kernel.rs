@@ -1,11 +1,11 @@
 //! Kernel signatures, declared once for both sides.
 //!
 //! Every kernel family names its parameter list as a tuple type, e.g.
-//! `pub type UnaryArgs<T> = (*const T, *mut T, u64, f32, f32);`. On the device, [`kernel!`](macro@crate::kernel)
-//! derives the `extern "ptx-kernel"` parameter list from that tuple (position by position), so a
-//! kernel cannot take anything else. On the host, a launch takes a value of the same tuple type
-//! ([`KernelArgs`]), so the host cannot pass anything else either: changing the alias breaks
-//! whichever side was not updated, at compile time.
+//! `pub type UnaryArgs<T> = (*const T, *mut T, u64, f32, f32);`. On the device,
+//! [`kernel!`](macro@crate::kernel) derives the `extern "ptx-kernel"` parameter list from that
+//! tuple (position by position), so a kernel cannot take anything else. On the host, a launch
+//! takes a value of the same tuple type ([`KernelArgs`]), so the host cannot pass anything else
+//! either: changing the alias breaks whichever side was not updated, at compile time.
 //!
 //! Pointer parameters on the host are device addresses cast to `*const T` / `*mut T`; they are
 //! never dereferenced there.

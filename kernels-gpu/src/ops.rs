@@ -62,7 +62,8 @@ pub trait UnaryFn {
     const FWD_VECTORS_PER_ROUND: usize = 0;
 }
 
-/// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`](crate::by_form) spells out this many arms.
+/// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`](crate::by_form) spells out
+/// this many arms.
 pub const MAX_FORMS: u32 = 6;
 
 /// Evaluates `$body` with the constant `$F` equal to the form `$f` (below [`MAX_FORMS`]): the
