@@ -51,7 +51,7 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
     println!("building the PTX for sm_90 ...");
     arts.sort_by(|a, b| (a.subdir(), &a.name).cmp(&(b.subdir(), &b.name)));
     let ptx = crate::ptx::build(&root, "sm_90")?;
-    let wheel = python_wheel(&root)?;
+    let wheel = if o.python { python_wheel(&root)? } else { None };
 
     // Everything is built: now replace the folder.
     if dir.exists() {
@@ -87,8 +87,11 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
         println!("warning: the `kernels` package has no test binaries yet");
     }
 
-    std::fs::copy(&ptx, dir.join("kernels-sm_90.ptx")).map_err(|e| format!("cannot copy the PTX: {e}"))?;
-    manifest_txt += "kernels-sm_90.ptx\n";
+    // For inspection only (the binaries embed their own): packed with them, since as text it is
+    // a third of the bundle (17 of 52 MiB), near the 64 MiB a GPU machine receives.
+    mkdir(&dir.join("bin"))?;
+    std::fs::copy(&ptx, dir.join("bin").join("kernels-sm_90.ptx")).map_err(|e| format!("cannot copy the PTX: {e}"))?;
+    manifest_txt += "bin/kernels-sm_90.ptx\n";
     for sub in ["benches", "scripts"] {
         let Ok(rd) = std::fs::read_dir(root.join(sub)) else {
             continue;
@@ -184,8 +187,11 @@ fn python_wheel(root: &Path) -> Result<Option<PathBuf>, String> {
     } else if has("python3", &["-m", "maturin", "--version"]) {
         vec!["python3", "-m", "maturin"]
     } else {
-        println!("note: no maturin (pip install maturin): the bundle has no Python package");
-        return Ok(None);
+        // An error, not a note: a bundle without the package runs a suite ~130 tests short
+        // whose summary still reads as a pass (it happened: 414 of 546).
+        return Err("no maturin (pip install maturin) to build the PyTorch package for the bundle; \
+                    pass --no-python to leave it out"
+            .into());
     };
     let out = py.join("target").join("bundle-wheel");
     let _ = std::fs::remove_dir_all(&out);
@@ -447,7 +453,7 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
             let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
             (o.status.code(), stdout.lines().last().unwrap_or("").to_string(), stdout)
         };
-        let (code, last, all) = run(&b.join("out1"), &["--tests-only"]);
+        let (code, last, all) = run(&b.join("out1"), &["--tests-only", "--jobs", "1"]);
         assert_eq!((code, last.as_str()), (Some(0), "5 passed, 0 failed, 1 skipped"), "{all}");
         assert!(std::fs::read_to_string(b.join("out1").join("tests.log")).unwrap().contains("test x ... ok"));
 
@@ -490,7 +496,7 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
             "run-python-tests.sh",
             r#"[ "$1" = --tests-only ] || exit 9; echo "python: 4 passed, 0 failed, 2 skipped""#,
         );
-        for (out, flags) in [("out7", &["--tests-only"][..]), ("out8", &["--tests-only", "--jobs=2"][..])] {
+        for (out, flags) in [("out7", &["--tests-only", "--jobs=1"][..]), ("out8", &["--tests-only"][..])] {
             let (code, last, all) = run(&b.join(out), flags);
             assert_eq!((code, last.as_str()), (Some(1), "10 passed, 3 failed, 3 skipped"), "{all}");
             assert!(all.contains("python (pytest): 4 passed, 0 failed, 2 skipped"), "{all}");

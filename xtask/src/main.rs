@@ -57,12 +57,18 @@ USAGE:
 OPTIONS:
     --out <DIR>     Bundle folder [default: .bundle in the workspace]; it is replaced if it
                     holds an earlier bundle, and refused if it holds anything else
+    --no-python     Leave out the PyTorch package (python/); without this flag a missing
+                    maturin is an error, so that the suite cannot lose its pytest tests
+                    (about 130 of them) without anyone noticing
     -h, --help      Print this message
 
 Builds in release the test binaries, benches and examples of the `kernels` package and writes:
     DIR/bin/tests/<name>, DIR/bin/benches/<name>, DIR/bin/examples/<name>   (stripped)
-    DIR/kernels-sm_90.ptx        the PTX for sm_90 (the binaries embed their own PTX)
+    DIR/bin/kernels-sm_90.ptx    the PTX for sm_90, for inspection (the binaries embed their own)
+                                 (bin/ goes packed, as DIR/bin.tar.xz: the scripts unpack it)
     DIR/*.py                     benches/*.py and scripts/*.py, if any
+    DIR/python/, DIR/run-python-tests.sh
+                                 the PyTorch package's wheel, tests and bench, and their runner
     DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_NAME.py,
                                  shared/anchors.py and compare.py; run it from the repository
                                  root; --tests-only, --skip-tests, --no-anchors, --jobs N
@@ -133,6 +139,8 @@ pub struct BuildPtxOpts {
 #[derive(Debug, Clone, PartialEq)]
 pub struct BundleOpts {
     pub out: PathBuf,
+    /// Leave out the PyTorch package (`--no-python`); without it a missing maturin is an error.
+    pub python: bool,
 }
 
 pub const ARCHES: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
@@ -190,13 +198,14 @@ fn parse_build_ptx(args: &[String]) -> Result<Option<BuildPtxOpts>, String> {
 }
 
 fn parse_gpu_bundle(args: &[String]) -> Result<Option<BundleOpts>, String> {
-    let mut o = BundleOpts { out: workspace_root().join(".bundle") };
+    let mut o = BundleOpts { out: workspace_root().join(".bundle"), python: true };
     let mut i = 0;
     while i < args.len() {
         if let Some(v) = flag_value(args, &mut i, "--out")? {
             o.out = PathBuf::from(v);
         } else {
             match args[i].as_str() {
+                "--no-python" => o.python = false,
                 "-h" | "--help" => {
                     print!("{GPU_BUNDLE_HELP}");
                     return Ok(None);
@@ -238,7 +247,9 @@ mod tests {
 
     #[test]
     fn gpu_bundle_args() {
-        assert!(parse_gpu_bundle(&s(&[])).unwrap().unwrap().out.ends_with(".bundle"));
+        let o = parse_gpu_bundle(&s(&[])).unwrap().unwrap();
+        assert!(o.out.ends_with(".bundle") && o.python);
+        assert!(!parse_gpu_bundle(&s(&["--no-python"])).unwrap().unwrap().python);
         assert_eq!(parse_gpu_bundle(&s(&["--out", "b"])).unwrap().unwrap().out, PathBuf::from("b"));
         assert!(parse_gpu_bundle(&s(&["b"])).is_err());
         assert!(parse_gpu_bundle(&s(&["--out"])).is_err());
