@@ -10,7 +10,7 @@
 #     (python/), its pytest suite (run-python-tests.sh --tests-only), counted with the others.
 #     --jobs N runs up to N of these (the binaries and pytest) at once on the one GPU, each
 #     one's output printed whole when all have ended (default 3: on the H100 the same 546 /
-#     0 / 1 in 85-92 s as one after another in 290 s; --jobs 1 prints each as it runs);
+#     0 / 1 in 81-90 s as one after another in 290 s; --jobs 1 prints each as it runs);
 #  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
 #     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
 #     (to RES/torch-NAME.json);
