@@ -116,7 +116,7 @@ pub fn cluster_size(kernel: &str) -> Option<u32> {
 }
 
 /// Blocks of a kernel whose whole grid is one cluster, from its name `<family>_k<K>_...` (sm_90
-/// only, e.g. `rms_norm_bwd_k8_v2_bf16`): `.reqnctapercluster K, 1, 1` as [`cluster_size`], with
+/// only, e.g. `rms_norm_bwd_slices_k8_v2_bf16`): `.reqnctapercluster K, 1, 1` as [`cluster_size`], with
 /// `.maxntid 512` (blocks of up to 512 threads, 128 registers).
 pub fn one_cluster_size(kernel: &str) -> Option<u32> {
     kernel.split('_').find_map(|part| part.strip_prefix('k')?.parse::<u32>().ok()).filter(|&c| c > 1)

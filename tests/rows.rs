@@ -713,48 +713,54 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
-    tests.push(test("norms/one_cluster_backward", |dev: &Device| {
-        // At most eight rows with parameter gradients: on sm_90 one cluster of eight blocks, a
-        // row each, adds dw, db over its blocks' shared memory (no partial rows, no column
-        // pass). Groups from 1 to 512 threads, blocks left without a row; the same bits on a
-        // second run; without parameter gradients, with nine rows or with 8192 columns, the
-        // other kernels.
-        for (rows, cols) in [(8usize, 1024usize), (1, 1000), (8, 4096), (5, 200), (8, 8), (3, 16), (2, 4000)] {
+    tests.push(test("norms/slices_backward", |dev: &Device| {
+        // At most 64 rows with parameter gradients: on sm_90 one cluster of eight blocks, each a
+        // slice of the columns of every row (host: `slices_plan`). Slices narrower than a warp
+        // (8, 200 and 1000 columns: several rows a warp; at 8, blocks with no columns at all),
+        // wider than one (1032, 4000, 4096, 8192: several warps across; 1032 and 4000 in slices
+        // of unequal length), one to eight rows a thread, rows not filling the last row slot; the
+        // same bits on a second run; without parameter gradients, or with 128 rows (where the
+        // persistent plan is faster), the other kernels.
+        for (rows, cols) in [
+            (64usize, 1024usize),
+            (9, 1024),
+            (8, 1024),
+            (2, 4000),
+            (24, 4096),
+            (16, 8192),
+            (3, 8),
+            (60, 200),
+            (1, 1000),
+            (40, 1032),
+            (128, 1024),
+            (128, 128),
+        ] {
             for dt in DType::ALL {
                 for layer in [true, false] {
                     let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, true).map_err(e)?;
-                    if dev.compute_capability().0 >= 9 && !k.contains("_bwd_k8_") {
-                        return Err(format!("{rows}x{cols} {dt:?} runs {k}, not the single cluster"));
-                    }
-                    let [_, k] = ops::norm_kernels(dev, layer, dt, 9, cols as u64, true).map_err(e)?;
-                    if k.contains("_bwd_k8_") {
-                        return Err(format!("9x{cols} {dt:?} runs {k}"));
-                    }
-                    let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, 8192, true).map_err(e)?;
-                    if k.contains("_bwd_k8_") {
-                        return Err(format!("{rows}x8192 {dt:?} runs {k}"));
+                    let sm90 = dev.compute_capability().0 >= 9;
+                    if k.contains("_bwd_slices_") != (sm90 && rows <= 64) {
+                        return Err(format!("{rows}x{cols} {dt:?} runs {k}"));
                     }
                     let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, false).map_err(e)?;
-                    if k.contains("_bwd_k8_") {
+                    if k.contains("_slices_") {
                         return Err(format!("{rows}x{cols} {dt:?} without parameter gradients runs {k}"));
                     }
-                    norm_case(dev, rows, cols, dt, layer, true, (3 * rows + cols) as u64, 2.0)?;
+                    for affine in [true, false] {
+                        norm_case(dev, rows, cols, dt, layer, affine, (5 * rows + cols) as u64, 2.0)?;
+                    }
                 }
-                let mut rng = TestRng::new(rows as u64);
-                let xs = values(&mut rng, rows * cols, dt);
-                let x = tensor(dev, &xs, &[rows, cols], dt)?;
+                let mut rng = TestRng::new(rows as u64 + 1);
+                let x = tensor(dev, &values(&mut rng, rows * cols, dt), &[rows, cols], dt)?;
                 let g = tensor(dev, &values(&mut rng, rows * cols, dt), &[rows, cols], dt)?;
                 let w = tensor(dev, &values(&mut rng, cols, dt), &[cols], dt)?;
-                let b = tensor(dev, &values(&mut rng, cols, dt), &[cols], dt)?;
-                let (_, st) = ops::layer_norm(&x, Some(&w), Some(&b), 1e-5).map_err(e)?;
+                let (_, st) = ops::rms_norm(&x, Some(&w), 1e-5).map_err(e)?;
                 let run = || -> Result<Vec<Vec<u32>>, String> {
-                    let gr = ops::layer_norm_backward(&x, Some(&w), true, &st, &g).map_err(e)?;
-                    let gw = gr.weight.as_ref().expect("asked for");
-                    let gb = gr.bias.as_ref().expect("asked for");
-                    Ok(vec![bits(&gr.x)?, bits(gw)?, bits(gb)?])
+                    let gr = ops::rms_norm_backward(&x, Some(&w), &st, &g).map_err(e)?;
+                    Ok(vec![bits(&gr.x)?, bits(gr.weight.as_ref().expect("asked for"))?])
                 };
                 if run()? != run()? {
-                    return Err(format!("layer norm backward {rows}x{cols} {dt:?}: two runs differ"));
+                    return Err(format!("rms norm backward {rows}x{cols} {dt:?}: two runs differ"));
                 }
             }
         }

@@ -11,7 +11,7 @@ use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
 use kernels_gpu::norm::{
     COLSUM_LANES, NormBwdArgs, NormBwdOneArgs, NormColGradArgs, NormColsumArgs, NormFwdArgs, ONE_CLUSTER,
-    ONE_CLUSTER_THREADS, padded,
+    SLICES_THREADS, padded, slices_smem_floats,
 };
 
 /// PyTorch's default `eps` of `layer_norm`.
@@ -61,6 +61,10 @@ impl Kind {
     }
     fn bwd_vectors(dt: DType) -> &'static [usize] {
         if dt == DType::F32 { &[1, 2, 4] } else { &[1, 2] }
+    }
+    /// Rows a thread of the slices backward (`<stem>_bwd_slices_k8_v<V>_<dt>`) holds.
+    fn slices_vectors(dt: DType) -> &'static [usize] {
+        if dt == DType::F32 { &[1, 2, 4, 8] } else { &[1, 2, 4] }
     }
 }
 
@@ -255,7 +259,8 @@ fn backward_out(
     let dev = x.device();
     let dt = x.dtype();
     let want_params = gw.is_some() || gb.is_some();
-    if want_params && let Some(p) = one_cluster_plan(dev, kind, dt, rows, cols)? {
+    let slices = if want_params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
+    if let Some(p) = slices {
         return with_elem!(dt, |T| {
             let args: NormBwdOneArgs<T> = (
                 x.dev_ptr(),
@@ -271,7 +276,8 @@ fn backward_out(
             );
             // SAFETY: x, grad, gx hold rows * cols elements of T; weight, dw, db cols (or
             // null); the statistics rows floats (checked above); the launch is one cluster of
-            // the kernel's size with the shared memory of its groups' column sums.
+            // the kernel's size, its blocks and shared memory as `bwd_slices` requires
+            // (slices_plan).
             unsafe { dev.launch(&p.kernel, p.cfg, args) }
         });
     }
@@ -326,59 +332,62 @@ fn backward_out(
     colsums(x, t, *chunks, cols, gw.as_mut(), gb.as_mut())
 }
 
-/// The backward with parameter gradients as one cluster of [`ONE_CLUSTER`] blocks
-/// (`<stem>_bwd_k8_v<V>_<dt>`, sm_90; see `bwd_reg` in kernels-gpu/src/norm.rs), which writes
-/// `dw`, `db` itself: for launches of at most one row a block, one group of at most 512
-/// threads (the fewest vectors a thread that allow it) holding each row. Below that size the
-/// column pass after the rows (partial rows written, then added by a second launch) costs
-/// about as much as the rows: measured on the H100, f32 8 x 1024 9.2 -> 7.8 us (layer norm),
-/// 8 x 4096 11.7 -> 10.9. Shapes outside [`one_cluster_shape`] keep the other plans; `None`
-/// also where the device has no such kernel or a row does not fit one block.
-fn one_cluster_plan(
-    dev: &crate::Device,
-    kind: Kind,
-    dt: DType,
-    rows: u64,
-    cols: u64,
-) -> Result<Option<super::RowPlan>> {
-    use kernels_gpu::rows::reduce_smem_bytes;
+/// The backward with parameter gradients as one cluster of eight blocks, each a slice of the
+/// columns of every row (`<stem>_bwd_slices_k8_v<V>_<dt>`, sm_90; see `bwd_slices` in
+/// kernels-gpu/src/norm.rs): block `k` of `bx` (across its slice of the columns) by `by`
+/// threads, a thread one vector of the slice in `V` rows, the fewest `V` that holds the rows in
+/// at most [`SLICES_THREADS`] threads.
+/// `None` outside [`slices_shape`], where the device has no such kernel or the rows do not fit.
+fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<super::RowPlan>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    if !one_cluster_shape(rows, cols, vec) {
+    if !slices_shape(rows, cols, vec) {
         return Ok(None);
     }
-    for &v in Kind::bwd_vectors(dt) {
-        let kernel = format!("{}_bwd_k{ONE_CLUSTER}_v{v}_{}", kind.stem(), dt.suffix());
+    // Threads across a slice: a power of two up to a warp (several rows a warp), else whole
+    // warps. Blocks left with no columns (fewer vectors than blocks) still add their zeros.
+    let per = (cols / vec).div_ceil(ONE_CLUSTER as u64);
+    let bx = if per <= 32 { per.next_power_of_two() } else { per.div_ceil(32) * 32 };
+    for &v in Kind::slices_vectors(dt) {
+        let kernel = format!("{}_bwd_slices_k{ONE_CLUSTER}_v{v}_{}", kind.stem(), dt.suffix());
         if !dev.has_kernel(&kernel) {
+            return Ok(None);
+        }
+        let limit = SLICES_THREADS.min(dev.max_threads(&kernel)?) as u64;
+        // Whole warps: the row sums' shuffles take all 32 lanes.
+        let by = rows.div_ceil(v as u64).next_multiple_of(32u64.div_ceil(bx));
+        if bx * by > limit {
             continue;
         }
-        let g = launch::group_size(cols / vec, v as u64);
-        if g > ONE_CLUSTER_THREADS.min(dev.max_threads(&kernel)?) || (g as u64) * (v as u64) < cols / vec {
-            continue;
+        let [_, _, floats] = slices_smem_floats(rows, bx as u32, by as u32, vec as u32);
+        if floats * 4 > dev.max_shared_bytes() as usize {
+            return Ok(None);
         }
-        let smem = reduce_smem_bytes(g) as u64 + 2 * padded(cols) as u64 * 4;
-        if smem > dev.max_shared_bytes() as u64 {
-            continue;
-        }
-        let cfg =
-            crate::device::LaunchConfig { grid: (ONE_CLUSTER, 1, 1), block: (g, 1, 1), shared_bytes: smem as u32 };
+        let cfg = crate::device::LaunchConfig {
+            grid: (ONE_CLUSTER, 1, 1),
+            block: (bx as u32, by as u32, 1),
+            shared_bytes: (floats * 4) as u32,
+        };
         return Ok(Some(super::RowPlan { kernel, cfg, v: Some(v) }));
     }
     Ok(None)
 }
 
-/// The widest rows the single cluster takes. At 8 x 8192 (groups of 512 threads holding four
-/// f32 or two bf16 vectors each) it was no faster than the two launches: on the H100, us, two
-/// launches / one cluster, layer norm f32 14.66 / 14.74, RMS norm f32 14.61 / 13.94, layer norm
-/// bf16 13.17 / 14.34, RMS norm bf16 13.00 / 13.57 (2% slower summed); up to 4096 columns it
-/// was 5-15% faster in each of those four.
-const ONE_CLUSTER_MAX_COLS: u64 = 4096;
+/// Most rows the slices backward takes. On the H100 (us, the plans before / slices, f32 layer
+/// norm, benches/NOTES.md nineteenth session): 1 x 1024 7.6 / 6.3 (the single cluster of a
+/// row a block before), 8 x 4096 10.7 / 7.6, 64 x 1024 9.4 / 8.3, 64 x 2048 11.1 / 10.5,
+/// 16 x 8192 15.1 / 11.5, 32 x 4096 12.3 / 11.1; every shape of at most 64 rows measured was
+/// faster, in both norms and f32 and bf16. But 128 x 1024 9.7 / 10.3, 256 x 128 7.9 / 8.5 and
+/// 96 x 1024 (RMS) 9.6 / 9.9: there the persistent plan spreads many short rows over the whole
+/// GPU, the slices hold eight rows a thread on eight SMs.
+const SLICES_MAX_ROWS: u64 = 64;
+/// Most elements the slices backward takes: the largest launches measured (64 x 2048, 16 x
+/// 8192, 8 x 16384), eight SMs' share of them.
+const SLICES_MAX_ELEMS: u64 = 1 << 17;
 
-/// Whether `rows` x `cols` (with `vec` elements a vector) is a shape for the single cluster: a
-/// row a block for at most [`ONE_CLUSTER`] rows, at most [`ONE_CLUSTER_MAX_COLS`] columns, whole
-/// vectors. With more rows a block it lost to the wider grids of the other plans (64 x 1024 f32
-/// in eight blocks of eight rows: 9.5 -> 11.0 us).
-fn one_cluster_shape(rows: u64, cols: u64, vec: u64) -> bool {
-    (1..=ONE_CLUSTER as u64).contains(&rows) && cols <= ONE_CLUSTER_MAX_COLS && cols.is_multiple_of(vec)
+/// Whether `rows` x `cols` (with `vec` elements a vector) is a shape for the slices backward:
+/// whole vectors, 1 to [`SLICES_MAX_ROWS`] rows, at most [`SLICES_MAX_ELEMS`] elements.
+fn slices_shape(rows: u64, cols: u64, vec: u64) -> bool {
+    (1..=SLICES_MAX_ROWS).contains(&rows) && rows * cols <= SLICES_MAX_ELEMS && cols.is_multiple_of(vec)
 }
 
 /// The backward's kernel and launch, and the number of partial rows of dw, db it writes
@@ -453,7 +462,7 @@ pub fn norm_kernels(
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
     let fwd = fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols))?;
-    let one = if params { one_cluster_plan(dev, kind, dt, rows, cols)? } else { None };
+    let one = if params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
     let bwd = match one {
         Some(p) => Some(p.kernel),
         None => backward_plan(dev, kind, dt, rows, cols, params)?.map(|(p, _)| p.kernel),
@@ -603,7 +612,8 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
             v.extend(Kind::bwd_vectors(dt).iter().map(|n| (format!("{st}_bwd_v{n}_{sfx}"), b)));
             let cv = CLUSTER_VECTORS;
             v.extend(CLUSTERS.iter().map(|c| (format!("{st}_bwd_c{c}_v{cv}_{sfx}"), b)));
-            v.extend(Kind::bwd_vectors(dt).iter().map(|n| (format!("{st}_bwd_k{ONE_CLUSTER}_v{n}_{sfx}"), o)));
+            let slices = Kind::slices_vectors(dt).iter();
+            v.extend(slices.map(|n| (format!("{st}_bwd_slices_k{ONE_CLUSTER}_v{n}_{sfx}"), o)));
             v.push((format!("{st}_fwd_stream_{sfx}"), f));
             v.push((format!("{st}_bwd_stream_{sfx}"), b));
             v.push((format!("{st}_colgrad_{sfx}"), c));
@@ -618,21 +628,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_cluster_takes_few_short_rows() {
+    fn slices_take_few_rows() {
         for (rows, cols, vec, yes) in [
             (1, 4, 4, true),
             (8, 1024, 4, true),
-            (8, 4096, 4, true),
-            (8, 4096, 8, true),
-            (5, 200, 8, true),
+            (64, 1024, 4, true),
+            (64, 2048, 8, true),
+            (16, 8192, 4, true),
+            (4, 32768, 8, true),
             (0, 1024, 4, false),
-            (9, 1024, 4, false),
-            (8, 8192, 4, false),
-            (8, 8192, 8, false),
-            (1, 4100, 4, false),
+            (65, 1024, 4, false),
+            (64, 2056, 4, false),
+            (8, 32768, 4, false),
             (8, 1022, 4, false),
         ] {
-            assert_eq!(one_cluster_shape(rows, cols, vec), yes, "{rows} x {cols}, {vec} a vector");
+            assert_eq!(slices_shape(rows, cols, vec), yes, "{rows} x {cols}, {vec} a vector");
         }
     }
 }

@@ -19,9 +19,10 @@
 //! rows. The register-resident backward is *persistent*: a grid of about one wave of blocks,
 //! each group walking rows with the grid's stride and keeping its columns' `dw`, `db` in shared
 //! memory, so the column sums cost no extra pass over memory; each block writes one partial
-//! row, and `norm_colsum` adds the partials in a fixed order (on sm_90, a launch of at most eight
-//! rows is instead one cluster of eight blocks, which add their sums through distributed shared
-//! memory and write `dw`, `db` themselves: one launch). Rows too long for registers use a
+//! row, and `norm_colsum` adds the partials in a fixed order. On sm_90 a launch of at most 64
+//! rows is instead one cluster of eight blocks, each a slice of the columns of every row, which
+//! add the rows' sums through distributed shared memory and write `dw`, `db` themselves: one
+//! launch, one round trip to memory (`bwd_slices`). Rows too long for registers use a
 //! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
 //! of `x` and `g`, the price of rows over 8192 elements.
 
@@ -32,13 +33,27 @@ pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut 
 /// norm; `partial` (f32, `[2][gridDim.x][cols]`: dw then db) is null when neither is wanted.
 pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64);
 /// `(x, w, g, mean, rstd, gx, dw, db, rows, cols)`: the backward of a grid that is one cluster of
-/// [`ONE_CLUSTER`] blocks (`<op>_bwd_k8_v<V>_<dtype>`, sm_90), which adds its column sums over
-/// the cluster and writes `dw`, `db` itself (either may be null: not wanted).
+/// [`ONE_CLUSTER`] blocks (`<op>_bwd_slices_k8_v<V>_<dtype>`, sm_90), which writes `dw`, `db`
+/// itself (either may be null: not wanted).
 pub type NormBwdOneArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut T, *mut T, u64, u64);
 /// Blocks of the single-cluster backward: its whole grid (portable cluster size).
 pub const ONE_CLUSTER: u32 = 8;
-/// Threads a block of the single-cluster backward may have at most (`.maxntid`: 128 registers).
-pub const ONE_CLUSTER_THREADS: u32 = 512;
+/// Threads a block of the slices backward (`<op>_bwd_slices_k8_v<V>_<dtype>`, sm_90) may have
+/// at most: `.maxntid 512` (build_ptx.rs, for `_k<K>_` kernels), so 128 registers.
+pub const SLICES_THREADS: u32 = 512;
+
+/// Offsets in floats of the slices backward's shared memory, and its size, for `rows` rows and
+/// blocks of `bx` x `by` threads, `vec` elements a vector: `[totals, columns, size]`. At 0 the
+/// row sums of each warp across the slice, `[rows][ceil(bx / 32)][2]` (read by the whole cluster);
+/// then the rows' totals `[rows][2]`; then, 16-byte aligned, each row slot's column sums
+/// `[by][2][bx * vec]` (dw, then db).
+pub const fn slices_smem_floats(rows: u64, bx: u32, by: u32, vec: u32) -> [usize; 3] {
+    let part = rows as usize * bx.div_ceil(32) as usize * 2;
+    let totals = part;
+    let columns = (totals + rows as usize * 2).next_multiple_of(4);
+    [totals, columns, columns + by as usize * 2 * (bx * vec) as usize]
+}
+
 /// `(x, g, mean, rstd, partial, rows, cols)`: the column sums of `g * xh` and `g` for rows too
 /// long for the register-resident backward, into `partial[2][gridDim.y][cols]` (32 x 8 blocks
 /// as the element-wise column reductions).
@@ -430,14 +445,10 @@ mod device {
     /// SM's registers, but 64 KB on each of four SMs. Without it those rows stream (five passes
     /// over memory instead of three).
     ///
-    /// The column sums of `dw`, `db`: with `K = 0` each block writes its partial row to
-    /// `partial` (`norm_colsum` adds them). With `K > 0` (`C = 1`, sm_90) the grid is one
-    /// cluster of `K` blocks, which add their sums through distributed shared memory and write
-    /// `dw`, `db` (see [`cluster_colsums`]): no partial rows and no second launch, for launches
-    /// of at most a row a block, where those cost about as much as the rows (host:
-    /// `one_cluster_plan`).
+    /// The column sums of `dw`, `db`: each block writes its partial row to `partial`
+    /// (`norm_colsum` adds them).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32, const K: u32>(
+    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -445,7 +456,6 @@ mod device {
         rstd: *const f32,
         gx: *mut T,
         partial: *mut f32,
-        (dw, db): (*mut T, *mut T),
         rows: u64,
         cols: u64,
     ) {
@@ -481,8 +491,8 @@ mod device {
                 T::unpack(unsafe { ld_global_nc_v4(w.add(slot_col::<T>(&g, s) as usize) as *const u32) })
             }
         };
-        // Uniform over the launch (kernel arguments), as the cluster barriers below need.
-        let sums_on = if K > 0 { !dw.is_null() || !db.is_null() } else { !partial.is_null() };
+        // Uniform over the launch (a kernel argument), as the cluster barriers below need.
+        let sums_on = !partial.is_null();
         let smem = dyn_smem::<f32>();
         let slots = reduce_smem_bytes(g.size * g.per_block);
         let acc_base = (slots / 4 + cluster_slots(C)) as usize;
@@ -596,12 +606,6 @@ mod device {
         if !sums_on {
             return;
         }
-        if K > 0 {
-            // SAFETY: the launch is one cluster of K blocks with this layout (the caller's
-            // contract); dw, db hold cols elements or are null.
-            unsafe { cluster_colsums::<T, K>(&g, acc_base, region, nvec * T::VEC as u64, dw, db) };
-            return;
-        }
         // The block's groups cover the same columns: add their regions in group order, and write
         // the block's partial row (its part of it, in a cluster). No other block touches this
         // block's shared memory after the exchange's final cluster barrier.
@@ -641,69 +645,209 @@ mod device {
         v
     }
 
-    /// The column sums of a backward whose grid is one cluster of `K` blocks: each block adds
-    /// its groups' sums into its first group's region (in group order, as the partial rows),
-    /// then, after a cluster barrier, block `k` adds column slice `k` over the `K` blocks'
-    /// regions through distributed shared memory, in rank order, and writes `dw`, `db`: the same
-    /// sums in the same order on every run. A final barrier keeps every block's shared memory
-    /// alive until the others have read it.
+    /// Backward with parameter gradients for few rows, the grid one cluster of `K` blocks of
+    /// `bx` x `by` threads. Block `k` owns a slice of the columns (vectors `k nvec / K` to
+    /// `(k + 1) nvec / K`) of *every* row: thread `(tx, ty)` holds vector `tx` of the slice in
+    /// rows `ty, ty + by, ...` (`V` of them), all loaded before any arithmetic, so the whole
+    /// launch is one round trip to memory. A row's sums are shuffles over the `bx` lanes across
+    /// the slice, then the cluster's `K` times `ceil(bx / 32)` warp partials added in a fixed
+    /// order through distributed shared memory: one exchange for all rows, not one a row. `dw` and `db` of the slice's columns
+    /// are the block's own sums over its rows: no partial rows, no column pass, no second
+    /// launch.
+    ///
+    /// This is for launches of few rows, where the persistent plan is latency: a row a group
+    /// over the whole grid, then partial rows of `dw`, `db` written and added by a dependent
+    /// launch (64 x 1024 f32: 9.5 us with the parameter gradients, 6.4 without; this kernel 8.3).
+    /// It replaced a single cluster of a row a block for at most eight rows (benches/NOTES.md,
+    /// nineteenth session). Host: `slices_plan` in host/ops/norm.rs.
     ///
     /// # Safety
-    /// The grid is one cluster of `K` blocks (sm_90); `acc_base` and `region` as in `bwd_reg`,
-    /// whose row loop has written every group's sums; `dw`, `db` hold `cols` elements or are
-    /// null.
-    #[inline(always)]
-    unsafe fn cluster_colsums<T: Elem, const K: u32>(
-        g: &Group,
-        acc_base: usize,
-        region: usize,
+    /// The grid is one cluster of `K` blocks (sm_90) of at most `SLICES_THREADS` threads, a
+    /// multiple of 32; `bx` a power of two up to 32 or a multiple of 32, at least `nvec / K`
+    /// rounded up; `by * V >= rows`; with
+    /// [`slices_smem_floats`] of dynamic shared memory; `x`, `gr`, `gx` hold `rows * cols`
+    /// elements, `cols` a multiple of `T::VEC`, rows 16-byte aligned; `w`, `dw`, `db` hold
+    /// `cols` or are null; `mean` (null for RMS norm) and `rstd` hold `rows` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn bwd_slices<T: Elem, N: Norm, const V: usize, const K: u32>(
+        x: *const T,
+        w: *const T,
+        gr: *const T,
+        mean: *const f32,
+        rstd: *const f32,
+        gx: *mut T,
+        (dw, db): (*mut T, *mut T),
+        rows: u64,
         cols: u64,
-        dw: *mut T,
-        db: *mut T,
     ) {
-        let smem = dyn_smem::<f32>();
-        let threads = (g.size * g.per_block) as u64;
-        let tid = (g.ty * g.size + g.t) as u64;
-        // The row loop's sums were written by their columns' threads; they are read here by
-        // others.
-        sync_threads();
-        let mut c = tid;
-        while c < cols {
-            for which in 0..2 {
-                let at = acc_base + which * region + (c + c / 32) as usize;
-                // SAFETY: column c, every group's sums written (the barrier above); only this
-                // thread touches column c of them, so it may overwrite the first group's.
-                unsafe { *smem.add(at) = groups_sum(g, at, region) };
-            }
-            c += threads;
-        }
-        cluster_sync();
-        let per = cols.div_ceil(K as u64);
-        let lo = cluster_rank() as u64 * per;
-        let hi = (lo + per).min(cols);
-        let base = dyn_smem_addr() + 4 * acc_base as u32;
-        // Called once per output with constant arguments (an array of the two, looped over,
-        // became a stack frame).
-        let sum_into = |out: *mut T, which: usize, c: u64| {
-            if !out.is_null() {
-                let a = base + 4 * (which * region + (c + c / 32) as usize) as u32;
-                let mut v = 0.0f32;
-                for rank in 0..K {
-                    // SAFETY: the same address in block `rank`'s region, written before the
-                    // barrier above; every block is running until the barrier below.
-                    v += unsafe { ld_shared_cluster_f32(a, rank) };
+        let vec = T::VEC as u64;
+        let nvec = cols / vec;
+        let k = cluster_rank() as u64;
+        let (v0, v1) = (k * nvec / K as u64, (k + 1) * nvec / K as u64);
+        let (tx, ty, bx, by) = (thread_idx_x(), thread_idx_y(), block_dim_x(), block_dim_y());
+        // `bx` threads across the slice: a power of two up to 32 (several rows a warp, each on
+        // `bx` adjacent lanes) or a multiple of 32 (`warps` warps a row, one partial each).
+        let (lane, warp, warps, width) = (tx % 32, tx / 32, bx.div_ceil(32), bx.min(32));
+        let col_ok = (tx as u64) < v1 - v0;
+        // This thread's first column; only dereferenced when col_ok.
+        let c = (v0 + tx as u64) * vec;
+        let [tot_off, col_off, _] = slices_smem_floats(rows, bx, by, T::VEC as u32);
+        let base = dyn_smem_addr();
+        let part_addr = |row: u64, q: u32, which: u32| base + 4 * ((row as u32 * warps + q) * 2 + which);
+        let tot_addr = |row: u64, which: u32| base + 4 * (tot_off as u32 + row as u32 * 2 + which);
+        // SAFETY (the loads): c + VEC <= cols when col_ok; rows below `rows`; 16-byte aligned.
+        // The weights stay packed (half the registers for f16/bf16), unpacked where used.
+        let has_w = !w.is_null();
+        let wraw = if has_w && col_ok { unsafe { ld_global_nc_v4(w.add(c as usize) as *const u32) } } else { [0; 4] };
+        let weights = || if has_w { T::unpack(opaque(wraw)) } else { [1.0f32; 8] };
+        let row_of = |j: usize| ty as u64 + j as u64 * by as u64;
+        let (mut rx, mut rg) = ([[0u32; 4]; V], [[0u32; 4]; V]);
+        let mut st = [(0.0f32, 0.0f32); V];
+        for_slots::<V>(
+            #[inline(always)]
+            |j| {
+                let ok = row_of(j) < rows;
+                if ok && col_ok {
+                    let off = (row_of(j) * cols + c) as usize;
+                    unsafe {
+                        rx[j] = ld_global_nc_v4(x.add(off) as *const u32);
+                        rg[j] = ld_global_nc_v4(gr.add(off) as *const u32);
+                    }
                 }
-                // SAFETY: c < cols, the output's length.
-                unsafe { *out.add(c as usize) = T::from_f32(v) };
+                st[j] = unsafe { stats(ok, row_of(j), mean, rstd) };
+            },
+        );
+        // The row sums of this thread's part of each row, and its column sums over its rows (in
+        // registers: one vector of columns).
+        let (mut cw, mut cb) = ([0.0f32; 8], [0.0f32; 8]);
+        let mut sums = [[0.0f32; 2]; V];
+        for_slots::<V>(
+            #[inline(always)]
+            |j| {
+                if row_of(j) < rows && col_ok {
+                    let (mu, rs) = st[j];
+                    let (vx, vg, wv) = (T::unpack(rx[j]), T::unpack(rg[j]), weights());
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| {
+                            let xh = (vx[k] - mu) * rs;
+                            let gw = vg[k] * wv[k];
+                            sums[j][0] += gw;
+                            sums[j][1] = fma(gw, xh, sums[j][1]);
+                            cw[k] = fma(vg[k], xh, cw[k]);
+                            cb[k] += vg[k];
+                        },
+                    );
+                }
+            },
+        );
+        // Over the lanes across the slice, every row's two sums at each step of one butterfly:
+        // 2V independent shuffles a step instead of V reductions one after another (at eight
+        // rows a thread those chains were most of the kernel).
+        let mut m = 16;
+        while m > 0 {
+            if m < width {
+                for_slots::<V>(
+                    #[inline(always)]
+                    |j| {
+                        sums[j][0] += shfl_xor_f32(sums[j][0], m);
+                        sums[j][1] += shfl_xor_f32(sums[j][1], m);
+                    },
+                );
+            }
+            m >>= 1;
+        }
+        if lane % width == 0 {
+            for_slots::<V>(
+                #[inline(always)]
+                |j| {
+                    if row_of(j) < rows {
+                        // SAFETY: inside the row partials (slices_smem_floats), row < rows.
+                        unsafe {
+                            st_shared_f32(part_addr(row_of(j), warp, 0), sums[j][0]);
+                            st_shared_f32(part_addr(row_of(j), warp, 1), sums[j][1]);
+                        }
+                    }
+                },
+            );
+        }
+        let cols_at = |slot: u32, which: u32| base + 4 * (col_off as u32 + (slot * 2 + which) * bx * T::VEC as u32);
+        if col_ok {
+            let at = 4 * tx * T::VEC as u32;
+            // SAFETY: 16-byte aligned (col_off is a multiple of 4 floats, VEC of 4 or 8),
+            // inside row slot ty's column sums. Written out: a loop over the halves left `cw`,
+            // `cb` in a stack frame.
+            unsafe {
+                st_shared_v4_f32(cols_at(ty, 0) + at, [cw[0], cw[1], cw[2], cw[3]]);
+                st_shared_v4_f32(cols_at(ty, 1) + at, [cb[0], cb[1], cb[2], cb[3]]);
+                if T::VEC == 8 {
+                    st_shared_v4_f32(cols_at(ty, 0) + at + 16, [cw[4], cw[5], cw[6], cw[7]]);
+                    st_shared_v4_f32(cols_at(ty, 1) + at + 16, [cb[4], cb[5], cb[6], cb[7]]);
+                }
+            }
+        }
+        // Every block's row partials and column sums written and visible; every block started.
+        cluster_sync();
+        let (tid, threads) = ((ty * bx + tx) as u64, (bx * by) as u64);
+        // The rows' totals: the same sums in the same order in every block and on every run.
+        let mut p = tid;
+        while p < 2 * rows {
+            let (row, which) = (p / 2, (p % 2) as u32);
+            let mut v = 0.0f32;
+            for q in 0..warps {
+                for rank in 0..K {
+                    // SAFETY: block `rank`'s row partials, written before the barrier above;
+                    // every block runs until the barrier at the end.
+                    v += unsafe { ld_shared_cluster_f32(part_addr(row, q, which), rank) };
+                }
+            }
+            // SAFETY: inside the totals.
+            unsafe { st_shared_f32(tot_addr(row, which), v) };
+            p += threads;
+        }
+        // This block's columns of dw and db: its row slots' sums, in slot order.
+        let bcols = (v1 - v0) * vec;
+        let colsum = |out: *mut T, which: u32, cc: u64| {
+            if !out.is_null() {
+                let mut v = 0.0f32;
+                for slot in 0..by {
+                    // SAFETY: inside slot `slot`'s column sums, written before the barrier.
+                    v += unsafe { ld_shared_f32(cols_at(slot, which) + 4 * cc as u32) };
+                }
+                // SAFETY: v0 * vec + cc < cols, the outputs' length.
+                unsafe { *out.add((v0 * vec + cc) as usize) = T::from_f32(v) };
             }
         };
-        let mut c = lo + tid;
-        while c < hi {
-            sum_into(dw, 0, c);
-            sum_into(db, 1, c);
-            c += threads;
+        let mut cc = tid;
+        while cc < bcols {
+            colsum(dw, 0, cc);
+            colsum(db, 1, cc);
+            cc += threads;
         }
-        cluster_sync();
+        // Done with the other blocks' shared memory; they may exit once all have said so.
+        cluster_arrive();
+        sync_threads();
+        let inv_n = 1.0 / cols as f32;
+        for_slots::<V>(
+            #[inline(always)]
+            |j| {
+                if row_of(j) < rows && col_ok {
+                    let (mu, rs) = st[j];
+                    // SAFETY: the totals, written before the barrier above.
+                    let (a, b) =
+                        unsafe { (ld_shared_f32(tot_addr(row_of(j), 0)), ld_shared_f32(tot_addr(row_of(j), 1))) };
+                    let kc = grad_consts::<N>(mu, rs, a, b, inv_n);
+                    let (vx, mut vg, wv) = (T::unpack(opaque(rx[j])), T::unpack(opaque(rg[j])), weights());
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = grad_x(vg[k], wv[k], vx[k], rs, kc),
+                    );
+                    // SAFETY: inside row row_of(j) of gx, which aliases neither input.
+                    unsafe { st_global_v4(gx.add((row_of(j) * cols + c) as usize) as *mut u32, T::pack(&vg)) };
+                }
+            },
+        );
+        cluster_wait();
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -909,19 +1053,19 @@ macro_rules! norm_kernels {
     (@bwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_v $v _ $sfx>]: NormBwdArgs<$T> =
             |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, 1, 0>(x, w, g, mean, rstd, gx, partial, (core::ptr::null_mut(), core::ptr::null_mut()), rows, cols));
+            bwd_reg::<$T, $N, $v, 1>(x, w, g, mean, rstd, gx, partial, rows, cols));
     } )* };
-    // The grid one cluster of K blocks: `<op>_bwd_k<K>_v<V>_<dtype>`.
-    (@bwdk $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, $($v:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _bwd_k $k _v $v _ $sfx>]: NormBwdOneArgs<$T> =
+    // Few rows in column slices, the grid one cluster of K blocks: `<op>_bwd_slices_k<K>_v<V>_<dtype>`.
+    (@slices $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, $($v:literal)*) => { $( paste::paste! {
+        $crate::kernel!([<$op _bwd_slices_k $k _v $v _ $sfx>]: NormBwdOneArgs<$T> =
             |x, w, g, mean, rstd, gx, dw, db, rows, cols|
-            bwd_reg::<$T, $N, $v, 1, $k>(x, w, g, mean, rstd, gx, core::ptr::null_mut(), (dw, db), rows, cols));
+            bwd_slices::<$T, $N, $v, $k>(x, w, g, mean, rstd, gx, (dw, db), rows, cols));
     } )* };
     // Clusters of C blocks, V vectors a thread: `<op>_bwd_c<C>_v<V>_<dtype>`.
     (@bwdc $T:ty, $sfx:ident, $op:ident, $N:ident, $v:literal, $($c:literal)*) => { $( paste::paste! {
         $crate::kernel!([<$op _bwd_c $c _v $v _ $sfx>]: NormBwdArgs<$T> =
             |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, $c, 0>(x, w, g, mean, rstd, gx, partial, (core::ptr::null_mut(), core::ptr::null_mut()), rows, cols));
+            bwd_reg::<$T, $N, $v, $c>(x, w, g, mean, rstd, gx, partial, rows, cols));
     } )* };
 }
 crate::for_each_elem!(norm_kernels);
@@ -956,18 +1100,19 @@ macro_rules! norm_cluster_kernels {
 #[cfg(target_feature = "sm_90")]
 crate::for_each_elem!(norm_cluster_kernels, 2);
 
-// Launches of few rows with parameter gradients, the grid one cluster of eight blocks of up to
-// 512 threads (128 registers: every vector count of the one-group kernels fits), sm_90 only.
+// Launches of few rows with parameter gradients in column slices (`bwd_slices`): one cluster of
+// eight blocks of up to 512 threads, each thread one vector of its slice in up to eight rows
+// (four of f16/bf16: eight spill 12 bytes at 128 registers).
 #[cfg(target_feature = "sm_90")]
-macro_rules! norm_one_cluster_kernels {
+macro_rules! norm_slices_kernels {
     ($T:ty, $sfx:ident, $($v:literal)*) => {
-        norm_kernels!(@bwdk $T, $sfx, layer_norm, Layer, 8, $($v)*);
-        norm_kernels!(@bwdk $T, $sfx, rms_norm, Rms, 8, $($v)*);
+        norm_kernels!(@slices $T, $sfx, layer_norm, Layer, 8, $($v)*);
+        norm_kernels!(@slices $T, $sfx, rms_norm, Rms, 8, $($v)*);
     };
 }
 #[cfg(target_feature = "sm_90")]
-norm_one_cluster_kernels!(f32, f32, 1 2 4);
+norm_slices_kernels!(f32, f32, 1 2 4 8);
 #[cfg(target_feature = "sm_90")]
-norm_one_cluster_kernels!(crate::dtype::F16, f16, 1 2);
+norm_slices_kernels!(crate::dtype::F16, f16, 1 2 4);
 #[cfg(target_feature = "sm_90")]
-norm_one_cluster_kernels!(crate::dtype::BF16, bf16, 1 2);
+norm_slices_kernels!(crate::dtype::BF16, bf16, 1 2 4);

@@ -314,6 +314,24 @@ pub fn cluster_sync() {
     };
 }
 
+/// The first half of [`cluster_sync`], split so that work can run between the two: this
+/// thread's shared-memory accesses before it (its own block's and others') are ordered before
+/// the matching [`cluster_wait`] of every thread of the cluster returns. Every thread of the
+/// cluster must call both, in this order, never under a divergent branch.
+#[inline(always)]
+pub fn cluster_arrive() {
+    // SAFETY: as `cluster_sync`.
+    unsafe { asm!("barrier.cluster.arrive.release.aligned;", options(nostack, preserves_flags)) };
+}
+
+/// The second half of [`cluster_sync`]: returns once every thread of the cluster has passed
+/// [`cluster_arrive`].
+#[inline(always)]
+pub fn cluster_wait() {
+    // SAFETY: as `cluster_sync`.
+    unsafe { asm!("barrier.cluster.wait.acquire.aligned;", options(nostack, preserves_flags)) };
+}
+
 /// Stores one f32 into the shared memory of block `rank` of this cluster, at the address that
 /// `addr` has in this block's shared memory (`mapa`: same layout in every block).
 ///
