@@ -150,6 +150,8 @@ struct Inner {
     /// `blocks_per_sm` answers by (kernel, threads, shared bytes): the driver's occupancy query
     /// costs microseconds, as much as a small kernel.
     occupancy: Mutex<HashMap<(usize, u32, u32), u32>>,
+    /// Resident clusters by (kernel, cluster size, threads, shared bytes): `max_active_clusters`.
+    cluster_occupancy: Mutex<HashMap<(usize, u32, u32, u32), u32>>,
 }
 
 // SAFETY: CUDA driver handles (context, stream, module, functions) may be used from any thread
@@ -392,7 +394,13 @@ impl Device {
     /// memory per block; 0 when not one fits. Clusters must fit in one GPC each, so this is not
     /// simply SMs / cluster size: a persistent grid of more clusters than this runs in two waves.
     pub(crate) fn max_active_clusters(&self, kernel: &str, cluster: u32, threads: u32, smem: u32) -> Result<u32> {
-        let func = self.func(self.kernel_index(kernel)?)?.func;
+        let i = self.kernel_index(kernel)?;
+        let func = self.func(i)?.func;
+        // Asked on every launch of the plans that use it: the driver's answer is kept.
+        let key = (i, cluster, threads, smem);
+        if let Some(&n) = self.0.cluster_occupancy.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(n);
+        }
         self.bind()?;
         let config = sys::CUlaunchConfig {
             gridDimX: cluster,
@@ -414,7 +422,9 @@ impl Device {
                 .result()
                 .map_err(|e| driver("cluster occupancy", e))?;
         }
-        Ok(n.max(0) as u32)
+        let n = n.max(0) as u32;
+        self.0.cluster_occupancy.lock().unwrap_or_else(|p| p.into_inner()).insert(key, n);
+        Ok(n)
     }
 
     /// Dynamic shared memory a block may use (the opt-in maximum, which every kernel is
@@ -890,6 +900,7 @@ impl Inner {
             poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
             pool: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
+            cluster_occupancy: Mutex::new(HashMap::new()),
         };
         inner.install(&inner.modules[probe], probe_handle)?;
         Ok(inner)
@@ -925,6 +936,17 @@ impl Inner {
                         )
                         .result()
                         .map_err(|e| driver(op, e))?;
+                        // A grid that is one cluster of more than eight blocks (Hopper's
+                        // non-portable sizes, up to 16) is refused unless the kernel opts in.
+                        if one_cluster_blocks(name) > 8 {
+                            sys::cuFuncSetAttribute(
+                                func,
+                                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                                1,
+                            )
+                            .result()
+                            .map_err(|e| driver(op, e))?;
+                        }
                         // The largest block this kernel can be launched with (its registers
                         // decide).
                         sys::cuFuncGetAttribute(
@@ -977,4 +999,10 @@ impl Drop for Inner {
             }
         }
     }
+}
+
+/// Blocks of a kernel whose whole grid is one cluster, from its name `<family>_k<K>_...`
+/// (kernels-gpu/build_ptx.rs gives it `.reqnctapercluster K`); 0 for any other kernel.
+fn one_cluster_blocks(name: &str) -> u32 {
+    name.split('_').find_map(|p| p.strip_prefix('k')?.parse::<u32>().ok()).unwrap_or(0)
 }

@@ -714,13 +714,14 @@ fn main() -> ExitCode {
         Ok(())
     }));
     tests.push(test("norms/slices_backward", |dev: &Device| {
-        // At most 64 rows with parameter gradients: on sm_90 one cluster of eight blocks, each a
-        // slice of the columns of every row (host: `slices_plan`). Slices narrower than a warp
-        // (8, 200 and 1000 columns: several rows a warp; at 8, blocks with no columns at all),
-        // wider than one (1032, 4000, 4096, 8192: several warps across; 1032 and 4000 in slices
-        // of unequal length), one to eight rows a thread, rows not filling the last row slot; the
-        // same bits on a second run; without parameter gradients, or with 128 rows (where the
-        // persistent plan is faster), the other kernels.
+        // At most 64 rows with parameter gradients: on sm_90 one cluster of eight blocks
+        // (sixteen over 2^16 elements where the device can schedule them, as every H100 SXM
+        // and H200 can), each a slice of the columns of every row (host: `slices_plan`). Slices
+        // narrower than a warp (8, 200 and 1000 columns: several rows a warp; at 8, blocks with
+        // no columns at all), wider than one (1032, 2048, 4000, 4096, 8192, 16384: several warps
+        // across; 1032 and 4000 in slices of unequal length), one to eight rows a thread, rows
+        // not filling the last row slot; the same bits on a second run; without parameter
+        // gradients, or with 128 rows (where the persistent plan is faster), the other kernels.
         for (rows, cols) in [
             (64usize, 1024usize),
             (9, 1024),
@@ -728,6 +729,8 @@ fn main() -> ExitCode {
             (2, 4000),
             (24, 4096),
             (16, 8192),
+            (64, 2048),
+            (8, 16384),
             (3, 8),
             (60, 200),
             (1, 1000),
@@ -741,6 +744,13 @@ fn main() -> ExitCode {
                     let sm90 = dev.compute_capability().0 >= 9;
                     if k.contains("_bwd_slices_") != (sm90 && rows <= 64) {
                         return Err(format!("{rows}x{cols} {dt:?} runs {k}"));
+                    }
+                    let sixteen = rows * cols > 1 << 16;
+                    if k.contains("_slices_") && dev.sm_count() >= 132 && k.contains("_k16_") != sixteen {
+                        return Err(format!(
+                            "{rows}x{cols} {dt:?} runs {k} ({} blocks expected)",
+                            if sixteen { 16 } else { 8 }
+                        ));
                     }
                     let [_, k] = ops::norm_kernels(dev, layer, dt, rows as u64, cols as u64, false).map_err(e)?;
                     if k.contains("_slices_") {

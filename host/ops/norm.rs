@@ -332,57 +332,79 @@ fn backward_out(
     colsums(x, t, *chunks, cols, gw.as_mut(), gb.as_mut())
 }
 
-/// The backward with parameter gradients as one cluster of eight blocks, each a slice of the
-/// columns of every row (`<stem>_bwd_slices_k8_v<V>_<dt>`, sm_90; see `bwd_slices` in
-/// kernels-gpu/src/norm.rs): block `k` of `bx` (across its slice of the columns) by `by`
-/// threads, a thread one vector of the slice in `V` rows, the fewest `V` that holds the rows in
-/// at most [`SLICES_THREADS`] threads.
+/// The backward with parameter gradients as one cluster of eight or sixteen blocks, each a
+/// slice of the columns of every row (`<stem>_bwd_slices_k<K>_v<V>_<dt>`, sm_90; see
+/// `bwd_slices` in kernels-gpu/src/norm.rs): block `k` of `bx` (across its slice of the
+/// columns) by `by` threads, a thread one vector of the slice in `V` rows, the fewest `V` that
+/// holds the rows in at most [`SLICES_THREADS`] threads.
 /// `None` outside [`slices_shape`], where the device has no such kernel or the rows do not fit.
 fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<super::RowPlan>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
     if !slices_shape(rows, cols, vec) {
         return Ok(None);
     }
-    // Threads across a slice: a power of two up to a warp (several rows a warp), else whole
-    // warps. Blocks left with no columns (fewer vectors than blocks) still add their zeros.
-    let per = (cols / vec).div_ceil(ONE_CLUSTER as u64);
-    let bx = if per <= 32 { per.next_power_of_two() } else { per.div_ceil(32) * 32 };
-    for &v in Kind::slices_vectors(dt) {
-        let kernel = format!("{}_bwd_slices_k{ONE_CLUSTER}_v{v}_{}", kind.stem(), dt.suffix());
-        if !dev.has_kernel(&kernel) {
-            return Ok(None);
+    // Sixteen blocks where eight would hold more than 8192 elements each, if the device can
+    // schedule a cluster that large (Hopper's non-portable size; not every GPC of every part
+    // has 16 SMs free); else eight.
+    let sizes: &[u32] = if rows * cols > SLICES_ELEMS_PER_BLOCK * ONE_CLUSTER as u64 {
+        &[SLICES_WIDE_CLUSTER, ONE_CLUSTER]
+    } else {
+        &[ONE_CLUSTER]
+    };
+    for &k in sizes {
+        // Threads across a slice: a power of two up to a warp (several rows a warp), else whole
+        // warps. Blocks left with no columns (fewer vectors than blocks) still add their zeros.
+        let per = (cols / vec).div_ceil(k as u64);
+        let bx = if per <= 32 { per.next_power_of_two() } else { per.div_ceil(32) * 32 };
+        for &v in Kind::slices_vectors(dt) {
+            let kernel = format!("{}_bwd_slices_k{k}_v{v}_{}", kind.stem(), dt.suffix());
+            if !dev.has_kernel(&kernel) {
+                return Ok(None);
+            }
+            let limit = SLICES_THREADS.min(dev.max_threads(&kernel)?) as u64;
+            // Whole warps: the row sums' shuffles take all 32 lanes.
+            let by = rows.div_ceil(v as u64).next_multiple_of(32u64.div_ceil(bx));
+            if bx * by > limit {
+                continue;
+            }
+            let [_, _, floats] = slices_smem_floats(rows, bx as u32, by as u32, vec as u32);
+            if floats * 4 > dev.max_shared_bytes() as usize {
+                break;
+            }
+            if k > ONE_CLUSTER && dev.max_active_clusters(&kernel, k, (bx * by) as u32, (floats * 4) as u32)? == 0 {
+                break;
+            }
+            let cfg = crate::device::LaunchConfig {
+                grid: (k, 1, 1),
+                block: (bx as u32, by as u32, 1),
+                shared_bytes: (floats * 4) as u32,
+            };
+            return Ok(Some(super::RowPlan { kernel, cfg, v: Some(v) }));
         }
-        let limit = SLICES_THREADS.min(dev.max_threads(&kernel)?) as u64;
-        // Whole warps: the row sums' shuffles take all 32 lanes.
-        let by = rows.div_ceil(v as u64).next_multiple_of(32u64.div_ceil(bx));
-        if bx * by > limit {
-            continue;
-        }
-        let [_, _, floats] = slices_smem_floats(rows, bx as u32, by as u32, vec as u32);
-        if floats * 4 > dev.max_shared_bytes() as usize {
-            return Ok(None);
-        }
-        let cfg = crate::device::LaunchConfig {
-            grid: (ONE_CLUSTER, 1, 1),
-            block: (bx as u32, by as u32, 1),
-            shared_bytes: (floats * 4) as u32,
-        };
-        return Ok(Some(super::RowPlan { kernel, cfg, v: Some(v) }));
     }
     Ok(None)
 }
 
-/// Most rows the slices backward takes. On the H100 (us, the plans before / slices, f32 layer
-/// norm, benches/NOTES.md nineteenth session): 1 x 1024 7.6 / 6.3 (the single cluster of a
-/// row a block before), 8 x 4096 10.7 / 7.6, 64 x 1024 9.4 / 8.3, 64 x 2048 11.1 / 10.5,
-/// 16 x 8192 15.1 / 11.5, 32 x 4096 12.3 / 11.1; every shape of at most 64 rows measured was
-/// faster, in both norms and f32 and bf16. But 128 x 1024 9.7 / 10.3, 256 x 128 7.9 / 8.5 and
-/// 96 x 1024 (RMS) 9.6 / 9.9: there the persistent plan spreads many short rows over the whole
-/// GPU, the slices hold eight rows a thread on eight SMs.
+/// Most rows the slices backward takes. On the H100 (us, the plans before / slices in eight
+/// blocks, f32 layer norm, benches/NOTES.md nineteenth session): 1 x 1024 7.6 / 6.3 (the single
+/// cluster of a row a block before), 8 x 4096 10.7 / 7.6, 64 x 1024 9.4 / 8.3, 64 x 2048
+/// 11.1 / 10.5, 16 x 8192 15.1 / 11.5, 32 x 4096 12.3 / 11.1; every shape of at most 64 rows
+/// measured was faster, in both norms and f32 and bf16. But 128 x 1024 9.7 / 10.3, 256 x 128
+/// 7.9 / 8.5 and 96 x 1024 (RMS) 9.6 / 9.9: there the persistent plan spreads many short rows
+/// over the whole GPU, the slices hold eight rows a thread on eight SMs (sixteen blocks did
+/// not move that bound either: see `SLICES_ELEMS_PER_BLOCK`).
 const SLICES_MAX_ROWS: u64 = 64;
 /// Most elements the slices backward takes: the largest launches measured (64 x 2048, 16 x
-/// 8192, 8 x 16384), eight SMs' share of them.
+/// 8192, 8 x 16384).
 const SLICES_MAX_ELEMS: u64 = 1 << 17;
+/// Blocks of the wide slices cluster (`<stem>_bwd_slices_k16_...`, a non-portable size).
+const SLICES_WIDE_CLUSTER: u32 = 16;
+/// Elements a block of the eight-block cluster holds at most before the launch takes sixteen:
+/// then its thread holds up to eight rows, and half the columns a block halves that. H100, us,
+/// eight / sixteen blocks (f32 layer norm; RMS norm and bf16 alike): 64 x 2048 10.5 / 8.9,
+/// 32 x 4096 11.1 / 9.3, 16 x 8192 11.5 / 9.9, 8 x 16384 12.5 / 10.7; at 2^16 elements and
+/// below sixteen gained nothing (64 x 1024 8.3 / 8.7, 8 x 1024 6.5 / 6.5).
+const SLICES_ELEMS_PER_BLOCK: u64 = 8192;
 
 /// Whether `rows` x `cols` (with `vec` elements a vector) is a shape for the slices backward:
 /// whole vectors, 1 to [`SLICES_MAX_ROWS`] rows, at most [`SLICES_MAX_ELEMS`] elements.
@@ -612,8 +634,10 @@ pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
             v.extend(Kind::bwd_vectors(dt).iter().map(|n| (format!("{st}_bwd_v{n}_{sfx}"), b)));
             let cv = CLUSTER_VECTORS;
             v.extend(CLUSTERS.iter().map(|c| (format!("{st}_bwd_c{c}_v{cv}_{sfx}"), b)));
-            let slices = Kind::slices_vectors(dt).iter();
-            v.extend(slices.map(|n| (format!("{st}_bwd_slices_k{ONE_CLUSTER}_v{n}_{sfx}"), o)));
+            for k in [ONE_CLUSTER, SLICES_WIDE_CLUSTER] {
+                let slices = Kind::slices_vectors(dt).iter();
+                v.extend(slices.map(|n| (format!("{st}_bwd_slices_k{k}_v{n}_{sfx}"), o)));
+            }
             v.push((format!("{st}_fwd_stream_{sfx}"), f));
             v.push((format!("{st}_bwd_stream_{sfx}"), b));
             v.push((format!("{st}_colgrad_{sfx}"), c));

@@ -20,7 +20,8 @@
 //! each group walking rows with the grid's stride and keeping its columns' `dw`, `db` in shared
 //! memory, so the column sums cost no extra pass over memory; each block writes one partial
 //! row, and `norm_colsum` adds the partials in a fixed order. On sm_90 a launch of at most 64
-//! rows is instead one cluster of eight blocks, each a slice of the columns of every row, which
+//! rows is instead one cluster of eight or sixteen blocks, each a slice of the columns of every
+//! row, which
 //! add the rows' sums through distributed shared memory and write `dw`, `db` themselves: one
 //! launch, one round trip to memory (`bwd_slices`). Rows too long for registers use a
 //! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
@@ -33,12 +34,13 @@ pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut 
 /// norm; `partial` (f32, `[2][gridDim.x][cols]`: dw then db) is null when neither is wanted.
 pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64);
 /// `(x, w, g, mean, rstd, gx, dw, db, rows, cols)`: the backward of a grid that is one cluster of
-/// [`ONE_CLUSTER`] blocks (`<op>_bwd_slices_k8_v<V>_<dtype>`, sm_90), which writes `dw`, `db`
+/// `K` blocks (`<op>_bwd_slices_k<K>_v<V>_<dtype>`, sm_90, `K` 8 or 16), which writes `dw`, `db`
 /// itself (either may be null: not wanted).
 pub type NormBwdOneArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut T, *mut T, u64, u64);
-/// Blocks of the single-cluster backward: its whole grid (portable cluster size).
+/// Blocks of the single-cluster backward: its whole grid (portable cluster size; the wide
+/// instances take 16, Hopper's non-portable maximum, which the host opts each into at load).
 pub const ONE_CLUSTER: u32 = 8;
-/// Threads a block of the slices backward (`<op>_bwd_slices_k8_v<V>_<dtype>`, sm_90) may have
+/// Threads a block of the slices backward (`<op>_bwd_slices_k<K>_v<V>_<dtype>`, sm_90) may have
 /// at most: `.maxntid 512` (build_ptx.rs, for `_k<K>_` kernels), so 128 registers.
 pub const SLICES_THREADS: u32 = 512;
 
@@ -1101,13 +1103,15 @@ macro_rules! norm_cluster_kernels {
 crate::for_each_elem!(norm_cluster_kernels, 2);
 
 // Launches of few rows with parameter gradients in column slices (`bwd_slices`): one cluster of
-// eight blocks of up to 512 threads, each thread one vector of its slice in up to eight rows
-// (four of f16/bf16: eight spill 12 bytes at 128 registers).
+// eight or sixteen blocks of up to 512 threads, each thread one vector of its slice in up to
+// eight rows (four of f16/bf16: eight spill 12 bytes at 128 registers).
 #[cfg(target_feature = "sm_90")]
 macro_rules! norm_slices_kernels {
     ($T:ty, $sfx:ident, $($v:literal)*) => {
         norm_kernels!(@slices $T, $sfx, layer_norm, Layer, 8, $($v)*);
         norm_kernels!(@slices $T, $sfx, rms_norm, Rms, 8, $($v)*);
+        norm_kernels!(@slices $T, $sfx, layer_norm, Layer, 16, $($v)*);
+        norm_kernels!(@slices $T, $sfx, rms_norm, Rms, 16, $($v)*);
     };
 }
 #[cfg(target_feature = "sm_90")]
