@@ -302,16 +302,8 @@ pub fn launch_dependents() {
 /// block may not have started yet), and must not exit while others may still access its own.
 #[inline(always)]
 pub fn cluster_sync() {
-    // SAFETY: no memory preconditions; callers keep it convergent (`.aligned`). The explicit
-    // `.release`/`.acquire` (PTX 8.0, build_ptx.rs) are the instructions' default semantics,
-    // spelled out.
-    unsafe {
-        asm!(
-            "barrier.cluster.arrive.release.aligned;",
-            "barrier.cluster.wait.acquire.aligned;",
-            options(nostack, preserves_flags)
-        )
-    };
+    cluster_arrive();
+    cluster_wait();
 }
 
 /// The first half of [`cluster_sync`], split so that work can run between the two: this
@@ -320,7 +312,9 @@ pub fn cluster_sync() {
 /// cluster must call both, in this order, never under a divergent branch.
 #[inline(always)]
 pub fn cluster_arrive() {
-    // SAFETY: as `cluster_sync`.
+    // SAFETY: no memory preconditions; callers keep it convergent (`.aligned`). The explicit
+    // `.release` (and `cluster_wait`'s `.acquire`; PTX 8.0, build_ptx.rs) are the instructions'
+    // default semantics, spelled out. A memory clobber, so no access moves across it.
     unsafe { asm!("barrier.cluster.arrive.release.aligned;", options(nostack, preserves_flags)) };
 }
 
@@ -328,7 +322,7 @@ pub fn cluster_arrive() {
 /// [`cluster_arrive`].
 #[inline(always)]
 pub fn cluster_wait() {
-    // SAFETY: as `cluster_sync`.
+    // SAFETY: as `cluster_arrive`.
     unsafe { asm!("barrier.cluster.wait.acquire.aligned;", options(nostack, preserves_flags)) };
 }
 
