@@ -479,6 +479,27 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
+    tests.push(test("unary_binary/widths", |dev: &Device| {
+        // The unary and binary kernels' three grids in every dtype (`launch::elementwise_halves`):
+        // half vectors a thread (under one wave), one 16-byte vector a thread, and the unrolled
+        // loop. With `b` resident 256-thread blocks an SM, the first holds up to `vec / 2 * 256 *
+        // b * sms` elements and the last starts at `vec * unroll * 256 * b * sms`; the middle size
+        // is in between for `b` = 4 (the 48-64 registers of most of these kernels), the large one
+        // past it for any `b` up to 8. Odd sizes, so every grid also has a tail.
+        // Under compute-sanitizer, the first two grids (the third is the loop of every large size).
+        let sms = dev.sm_count() as usize;
+        let sizes = [100_003, 2048 * 4 * sms + 5, 4096 * 8 * sms + 13];
+        for dt in DType::ALL {
+            for &n in &sizes[..if sanitizer() { 2 } else { 3 }] {
+                let seed = n as u64;
+                fwd_case(dev, UnaryOp::Pow(2.5), Draw::NORMAL, dt, n, seed)?;
+                fwd_case(dev, Activation::GeluTanh.into(), Draw::NORMAL, dt, n, seed + 1)?;
+                bwd_case(dev, Activation::Silu.into(), Draw::NORMAL, dt, n, seed + 2)?;
+                binary_case(dev, BinaryOp::Div, dt, n, seed + 3)?;
+            }
+        }
+        Ok(())
+    }));
     tests.push(test("determinism/scale_bias_act_backward", determinism));
     tests.push(test("errors/arguments", argument_errors));
     tests.push(test("errors/empty_tensors", empty_tensors));

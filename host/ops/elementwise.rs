@@ -202,13 +202,23 @@ impl BinaryOp {
     }
 }
 
-/// Grid of an element-wise kernel over `x`; `unrolled` for the kernels built on `grid_stride`
-/// (unary and binary), not for the row-broadcast ones (one vector per thread per round).
+/// Grid of a row-broadcast kernel over `x` (16-byte vectors); `unrolled` for the forward's loop
+/// of whole rows, which is `grid_stride`'s (`row_fwd_grid`), not for the one vector per thread
+/// per round of the other loops.
 fn grid_1d(x: &Tensor, kernel: &str, unrolled: bool) -> Result<Option<crate::device::LaunchConfig>> {
     let dev = x.device();
     let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
     let unroll = if unrolled { kernels_gpu::elementwise::unroll(x.dtype()) as u64 } else { 1 };
     Ok(launch::elementwise(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
+}
+
+/// Grid of a unary or binary kernel over `x`: half vectors a thread in small launches
+/// ([`launch::elementwise_halves`]).
+fn grid_halves(x: &Tensor, kernel: &str) -> Result<Option<crate::device::LaunchConfig>> {
+    let dev = x.device();
+    let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
+    let unroll = kernels_gpu::elementwise::unroll(x.dtype()) as u64;
+    Ok(launch::elementwise_halves(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
 }
 
 // --- unary --------------------------------------------------------------------------------------
@@ -230,7 +240,7 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     check_same_shape(name, x, out, "output")?;
     let (k, a, b) = op.kernel();
     let kernel = k.fwd(x.dtype());
-    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
+    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
@@ -245,7 +255,7 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     op.validate("unary_")?;
     let (k, a, b) = op.kernel();
     let kernel = k.fwd(x.dtype());
-    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
+    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let p = x.dev_ptr_mut::<T>()?;
@@ -287,7 +297,7 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
     let kernel = k.bwd(x.dtype());
-    let Some(cfg) = grid_1d(x, kernel, true)? else { return Ok(()) };
+    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
@@ -330,7 +340,7 @@ pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
 
 fn launch_binary(a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
     let kernel = op.kernel().fwd(b.dtype());
-    let Some(cfg) = grid_1d(b, kernel, true)? else { return Ok(()) };
+    let Some(cfg) = grid_halves(b, kernel)? else { return Ok(()) };
     let n = b.numel() as u64;
     with_elem!(b.dtype(), |T| {
         let args: BinaryFwdArgs<T> = (a as *const T, b.dev_ptr(), out as *mut T, n);
@@ -355,7 +365,7 @@ pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> R
     }
     let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
     let kernel = op.kernel().bwd(a.dtype());
-    if let Some(cfg) = grid_1d(a, kernel, true)? {
+    if let Some(cfg) = grid_halves(a, kernel)? {
         let n = a.numel() as u64;
         with_elem!(a.dtype(), |T| {
             let args: BinaryBwdArgs<T> =

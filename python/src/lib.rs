@@ -14,7 +14,8 @@
 //! exception naming the op.
 
 use kernels::ops::{
-    self, Activation, CrossEntropyOpts, Gemm, NormGrads, NormStats, Precision, ReduceOp, Reduction, ScaleBiasActGrads,
+    self, Activation, BinaryOp, CrossEntropyOpts, Gemm, NormGrads, NormStats, Precision, ReduceOp, Reduction,
+    ScaleBiasActGrads, UnaryOp,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -171,6 +172,104 @@ fn activation_bwd(
     // SAFETY: see `activation_fwd`.
     let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
     c.run(py, || ops::unary_backward_out(&x, &g, act, &mut gx))
+}
+
+/// The library's element-wise math and scalar ops, by code (`a`, `b`: the parameters of those
+/// that have any). Not wrapped by the Python layer (PyTorch has its own); exposed so that
+/// `benches/torch_paired.py` can time each element-wise kernel against PyTorch's in one process,
+/// on the same tensors and stream.
+fn unary_op(code: u8, a: f32, b: f32) -> PyResult<UnaryOp> {
+    Ok(match code {
+        0 => UnaryOp::Neg,
+        1 => UnaryOp::Abs,
+        2 => UnaryOp::Exp,
+        3 => UnaryOp::Log,
+        4 => UnaryOp::Expm1,
+        5 => UnaryOp::Log1p,
+        6 => UnaryOp::Erf,
+        7 => UnaryOp::Sqrt,
+        8 => UnaryOp::Rsqrt,
+        9 => UnaryOp::Pow(a),
+        10 => UnaryOp::Clamp { min: a, max: b },
+        11 => UnaryOp::AddScalar(a),
+        12 => UnaryOp::SubScalar(a),
+        13 => UnaryOp::MulScalar(a),
+        14 => UnaryOp::DivScalar(a),
+        _ => return Err(PyValueError::new_err(format!("unknown unary op code {code}"))),
+    })
+}
+
+/// `op(x)` into `y`, both of `n` elements (`op` a [`unary_op`] code).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn unary_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    op: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    y: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let op = unary_op(op, a, b)?;
+    // SAFETY: see `activation_fwd`.
+    let (x, mut y) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?) };
+    c.run(py, || ops::unary_out(&x, op, &mut y))
+}
+
+/// `op'(x) * g` into `gx`, all of `n` elements (`op` a [`unary_op`] code).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn unary_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    op: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    g: u64,
+    gx: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let op = unary_op(op, a, b)?;
+    // SAFETY: see `activation_fwd`.
+    let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
+    c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
+}
+
+/// `x op y` into `out`, all of `n` elements; `op`: 0 add, 1 sub, 2 mul, 3 div. As `unary_fwd`,
+/// for the paired bench.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn binary_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    op: u8,
+    x: u64,
+    y: u64,
+    out: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let op = match op {
+        0 => BinaryOp::Add,
+        1 => BinaryOp::Sub,
+        2 => BinaryOp::Mul,
+        3 => BinaryOp::Div,
+        _ => return Err(PyValueError::new_err(format!("unknown binary op code {op}"))),
+    };
+    // SAFETY: see `activation_fwd`.
+    let (x, y, mut out) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?, c.t(out, &[n])?) };
+    c.run(py, || ops::binary_out(&x, &y, op, &mut out))
 }
 
 /// `act(x * scale + bias)` into `y`; x and y `[rows, cols]`, scale and bias `[cols]`.
@@ -644,6 +743,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(f32_matmul_precision, m)?)?;
     m.add_function(wrap_pyfunction!(activation_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(activation_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(unary_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(unary_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(binary_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(softmax_fwd, m)?)?;

@@ -32,3 +32,7 @@ def test_bad_codes_are_refused():
         _native.activation_fwd(0, 0, 7, 5, 0.0, 0.0, 0, 0, 0)
     with pytest.raises(ValueError, match="activation code 99"):
         _native.activation_fwd(0, 0, 0, 99, 0.0, 0.0, 0, 0, 0)
+    with pytest.raises(ValueError, match="unary op code 15"):
+        _native.unary_fwd(0, 0, 0, 15, 0.0, 0.0, 0, 0, 0)
+    with pytest.raises(ValueError, match="binary op code 4"):
+        _native.binary_fwd(0, 0, 0, 4, 0, 0, 0, 0)

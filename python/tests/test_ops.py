@@ -293,6 +293,46 @@ def test_views_with_offsets_and_strides():
     close(xe.grad, xr.grad, torch.float32, "expanded gradient")
 
 
+# The native layer's plain element-wise ops (for benches/torch_paired.py): code, parameters,
+# PyTorch's function and whether the input must be positive.
+NATIVE_UNARY = {
+    "neg": (0, 0.0, 0.0, torch.neg, False),
+    "exp": (2, 0.0, 0.0, torch.exp, False),
+    "log": (3, 0.0, 0.0, torch.log, True),
+    "erf": (6, 0.0, 0.0, torch.erf, False),
+    "rsqrt": (8, 0.0, 0.0, torch.rsqrt, True),
+    "pow": (9, 2.5, 0.0, lambda x: torch.pow(x, 2.5), True),
+    "clamp": (10, -0.5, 0.75, lambda x: torch.clamp(x, -0.5, 0.75), False),
+    "div_scalar": (14, 1.5, 0.0, lambda x: x / 1.5, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(NATIVE_UNARY))
+def test_native_unary_and_binary(name, dtype):
+    code, a, b, ref, positive = NATIVE_UNARY[name]
+    dt = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+    stream = torch.cuda.current_stream().cuda_stream
+    for n, seed in [(65536, 1), (1031, 2), (3, 3)]:
+        x = randn(n, dtype=dtype, seed=seed)
+        x = x.abs() + 0.25 if positive else x
+        g, y = randn(n, dtype=dtype, seed=seed + 10), randn(n, dtype=dtype, seed=seed + 20)
+        # Divisors away from 0: x / y must not overflow f16 where the float64 reference does not.
+        y = torch.where(y < 0, y - 0.5, y + 0.5)
+        out = torch.full_like(x, float("nan"))
+        _native.unary_fwd(0, stream, dt, code, a, b, x.data_ptr(), out.data_ptr(), n)
+        close(out, ref(x.double()), dtype, f"{name} forward {n}")
+        xr = x.double().requires_grad_()
+        (rgx,) = torch.autograd.grad(ref(xr), xr, g.double())
+        gx = torch.full_like(x, float("nan"))
+        _native.unary_bwd(0, stream, dt, code, a, b, x.data_ptr(), g.data_ptr(), gx.data_ptr(), n)
+        close(gx, rgx, dtype, f"{name} backward {n}")
+        for op, f in enumerate([torch.add, torch.sub, torch.mul, torch.div]):
+            out = torch.full_like(x, float("nan"))
+            _native.binary_fwd(0, stream, dt, op, x.data_ptr(), y.data_ptr(), out.data_ptr(), n)
+            close(out, f(x.double(), y.double()), dtype, f"binary {op} {n}")
+
+
 def test_native_refuses_misaligned_addresses():
     x = randn(64)
     y = torch.empty_like(x)

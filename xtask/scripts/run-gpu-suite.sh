@@ -18,7 +18,8 @@
 #     shared/, else shared/anchors.py or ../shared/anchors.py,
 #     to RES/anchors.json); then for each bench the bundle's compare.py: `python3 compare.py
 #     RES/bench-NAME.json RES/torch-NAME.json [RES/anchors.json]`; and the PyTorch package's
-#     bench.py (run-python-tests.sh --bench-only, to RES/python-bench.json).
+#     bench.py and the paired small sizes, torch_paired.py (run-python-tests.sh --bench-only, to
+#     RES/python-bench.json and RES/torch-paired.json).
 # RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log, anchors.log and
 # compare.log), else the current folder (no logs).
 # The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
     --no-anchors) ANCHORS_ON=0 ;;
     --jobs) shift; JOBS="${1:-}" ;;
     --jobs=*) JOBS="${1#--jobs=}" ;;
-    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) ARGS+=("$1") ;;
   esac

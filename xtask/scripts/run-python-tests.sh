@@ -7,7 +7,9 @@
 #  1. unless --bench-only: pytest on the bundle's python/tests, with KERNELS_REQUIRE_GPU=1 (a
 #     missing GPU fails instead of skipping); log $OUT/python-tests.log;
 #  2. unless --tests-only: python/bench.py (KERNELS_PY_BENCH_ARGS, e.g. --quick, passed on),
-#     writing $OUT/python-bench.json (else ./python-bench.json); log $OUT/python-bench.log.
+#     writing $OUT/python-bench.json (else ./python-bench.json); then the bundle's
+#     torch_paired.py (the small sizes, ours and PyTorch's kernels paired in one process),
+#     writing $OUT/torch-paired.json; log $OUT/python-bench.log.
 # PYTHON picks the interpreter (default python3). The last line is `python: N passed, N failed,
 # N skipped` (the test counts). Exit status 1 if the install or a test failed; a bench failure
 # is reported but does not change it.
@@ -19,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --tests-only) BENCH=0 ;;
     --bench-only) TESTS=0 ;;
-    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) ARGS+=("$1") ;;
   esac
@@ -72,6 +74,13 @@ if [ "$BENCH" -eq 1 ]; then
   "$PYTHON" "$B/python/bench.py" "$json" ${KERNELS_PY_BENCH_ARGS:-} 2>&1 | tee -a "$BLOG"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || echo "python: bench.py FAILED (exit status $rc; not counted)"
+  if [ -f "$B/torch_paired.py" ]; then
+    json="$RES/torch-paired.json"
+    echo "== python: torch_paired.py $json" | tee -a "$BLOG"
+    "$PYTHON" "$B/torch_paired.py" "$json" 2>&1 | tee -a "$BLOG"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || echo "python: torch_paired.py FAILED (exit status $rc; not counted)"
+  fi
 fi
 [ "$TESTS" -eq 0 ] || echo "python: $P passed, $F failed, $S skipped"
 exit "$STATUS"

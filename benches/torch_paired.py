@@ -1,0 +1,255 @@
+"""The small sizes against PyTorch, paired: our kernels and PyTorch's timed in one process, launch
+by launch, on the same tensors and stream.
+
+    python3 benches/torch_paired.py OUT.json [--iters N] [--filter REGEX]
+
+Why (benches/NOTES.md, twentieth session): at 2^16 elements a launch takes 4-6 us, and in
+either library a launch lands near one of two levels about 0.7 us apart. Which one changes from
+one measurement window to the next, in the same process on the same tensors: do_bench twice on
+the same PyTorch kernel gave 4.61 and 5.31 us. Separate runs of the two libraries (the Rust
+bench, then `torch_elementwise.py`) each draw their level on their own, so their ratio at this
+size moved by +-15% between runs whatever the kernels did. Here each iteration flushes L2 (256
+MB zeroed, as do_bench), times ours with CUDA events, flushes again and times PyTorch's, the
+order alternating by iteration; both see the same machine state, the same inputs, outputs from
+the same allocator on the same stream. The ratio of the two medians over ITERS pairs (default
+600) is the figure; the median of the per-pair ratios is printed beside it as a check.
+
+Our kernels run through the PyTorch package's native module (`kernels_torch._native`: the
+library's own launch code on PyTorch's stream, as `kernels_torch` users get them). The cases and
+their PyTorch baselines are those of `torch_elementwise.py` at 2^16 (the same functions, on the
+same tensors) and of `torch_rows.py` at 64 x 1024, except where PyTorch runs no kernel (its
+gradient aliases the incoming one) and where the package has no entry (the binary backwards,
+`add_row`, transpose, the sums): those stay on the process-pair comparison of compare.py.
+Backward cases that PyTorch composes with autograd are marked `autograd` (its host work, not a
+kernel, is what such a ratio measures). Ratio = PyTorch's time / ours: above 1, ours is faster.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_elementwise as te  # noqa: E402
+import torch_rows as tr  # noqa: E402
+from kernels_torch import _native, _ops  # noqa: E402
+
+N = 1 << 16
+ROWS, COLS = 64, 1024
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# Activation codes of `_native` (python/src/lib.rs) with their parameters; the other unary ops
+# by `unary_op` code.
+ACTS = {"identity": (0, 0.0, 0.0), "relu": (1, 0.0, 0.0), "leaky_relu": (2, 0.01, 0.0), "sigmoid": (3, 0.0, 0.0),
+        "tanh": (4, 0.0, 0.0), "gelu": (5, 0.0, 0.0), "gelu_tanh": (6, 0.0, 0.0), "silu": (7, 0.0, 0.0),
+        "mish": (8, 0.0, 0.0), "softplus": (9, 1.0, 20.0)}
+UNARY = {"neg": (0, 0.0, 0.0), "abs": (1, 0.0, 0.0), "exp": (2, 0.0, 0.0), "log": (3, 0.0, 0.0),
+         "expm1": (4, 0.0, 0.0), "log1p": (5, 0.0, 0.0), "erf": (6, 0.0, 0.0), "sqrt": (7, 0.0, 0.0),
+         "rsqrt": (8, 0.0, 0.0), "pow": (9, 3.0, 0.0), "pow_frac": (9, 2.5, 0.0), "clamp": (10, -0.5, 0.5),
+         "add_scalar": (11, 1.5, 0.0), "sub_scalar": (12, 1.5, 0.0), "mul_scalar": (13, 1.5, 0.0),
+         "div_scalar": (14, 1.5, 0.0)}
+BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+FUSED = {"scale_bias_relu": 1, "scale_bias_gelu": 5, "scale_bias_silu": 7}
+# PyTorch runs no kernel for these gradients (compare.py's list, and the identity's).
+TORCH_ALIASES = {("add_scalar", "bwd"), ("sub_scalar", "bwd")}
+# PyTorch's backward is a kernel of its own for these (torch_elementwise.py's UNARY table).
+TORCH_KERNEL_BWD = {op for op, (_, b) in te.UNARY.items() if b is not None}
+
+FLUSH = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+
+def stream():
+    return torch.cuda.current_stream().cuda_stream
+
+
+def elementwise_case(op, kind, dt, direction):
+    """(ours, PyTorch's) thunks on the same tensors, or None where there is no pair."""
+    t = DT[dt]
+    code = _ops._DTYPE_CODES[t]
+    shape = (N // te.COLS, te.COLS)
+    x = te.positive(shape, t) if op in te.POSITIVE else te.normal(shape, t)
+    g = te.normal(shape, t)
+    if kind == "unary":
+        if (op, direction) in TORCH_ALIASES:
+            return None
+        fwd, bwd = te.UNARY[op]
+        if op in ACTS:
+            c, a, b = ACTS[op]
+            f_fwd, f_bwd = _native.activation_fwd, _native.activation_bwd
+        else:
+            c, a, b = UNARY[op]
+            f_fwd, f_bwd = _native.unary_fwd, _native.unary_bwd
+        if direction == "fwd":
+            def ours():
+                y = torch.empty_like(x)
+                f_fwd(0, stream(), code, c, a, b, x.data_ptr(), y.data_ptr(), N)
+                return y
+            return ours, (lambda: fwd(x))
+        def ours():
+            gx = torch.empty_like(x)
+            f_bwd(0, stream(), code, c, a, b, x.data_ptr(), g.data_ptr(), gx.data_ptr(), N)
+            return gx
+        return ours, (bwd(x, g) if bwd is not None else te.autograd_bwd(fwd, x, g))
+    if kind == "binary" and direction == "fwd":
+        f, y = te.BINARY[op], te.normal(shape, t)
+
+        def ours():
+            out = torch.empty_like(x)
+            _native.binary_fwd(0, stream(), code, BINARY[op], x.data_ptr(), y.data_ptr(), out.data_ptr(), N)
+            return out
+        return ours, (lambda: f(x, y))
+    if kind == "fused":
+        act, c = te.FUSED[op], FUSED[op]
+        s, b = te.normal((te.COLS,), t, 1.0, 0.5), te.normal((te.COLS,), t, 0.0, 0.5)
+        rows = N // te.COLS
+        if direction == "fwd":
+            def ours():
+                y = torch.empty_like(x)
+                _native.scale_bias_act_fwd(0, stream(), code, c, 0.0, 0.0, x.data_ptr(), s.data_ptr(), b.data_ptr(),
+                                           y.data_ptr(), rows, te.COLS)
+                return y
+            return ours, (lambda: act(x * s + b))
+
+        def ours():
+            gx, gs, gb = torch.empty_like(x), torch.empty_like(s), torch.empty_like(b)
+            _native.scale_bias_act_bwd(0, stream(), code, c, 0.0, 0.0, x.data_ptr(), s.data_ptr(), b.data_ptr(),
+                                       g.data_ptr(), gx.data_ptr(), gs.data_ptr(), gb.data_ptr(), rows, te.COLS)
+            return gx
+        xr, sr, br = x.clone().requires_grad_(True), s.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        yr = act(xr * sr + br)
+        return ours, (lambda: torch.autograd.grad(yr, (xr, sr, br), g, retain_graph=True))
+    return None
+
+
+def row_case(op, dt, direction):
+    """Softmax, log-softmax, layer norm and RMS norm at ROWS x COLS: ours on tensors of the same
+    distributions as `torch_rows.build`'s, PyTorch's its own thunk."""
+    t = DT[dt]
+    code = _ops._DTYPE_CODES[t]
+    x, g = tr.normal((ROWS, COLS), t), tr.normal((ROWS, COLS), t)
+    w, b = tr.normal((COLS,), t, 1.0, 0.1), tr.normal((COLS,), t, 0.0, 0.1)
+    theirs = tr.build(op, direction, dt, ROWS, COLS)
+    if op in ("softmax", "log_softmax"):
+        log = op == "log_softmax"
+        y = torch.empty_like(x)
+        _native.softmax_fwd(0, stream(), code, log, x.data_ptr(), y.data_ptr(), ROWS, COLS)
+        if direction == "fwd":
+            def ours():
+                out = torch.empty_like(x)
+                _native.softmax_fwd(0, stream(), code, log, x.data_ptr(), out.data_ptr(), ROWS, COLS)
+                return out
+            return ours, theirs
+
+        def ours():
+            gx = torch.empty_like(x)
+            _native.softmax_bwd(0, stream(), code, log, y.data_ptr(), g.data_ptr(), gx.data_ptr(), ROWS, COLS)
+            return gx
+        return ours, theirs
+    layer = op == "layer_norm"
+    mean = torch.empty(ROWS, device="cuda", dtype=torch.float32)
+    rstd = torch.empty(ROWS, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    bias = b.data_ptr() if layer else 0
+    mp = mean.data_ptr() if layer else 0
+    _native.norm_fwd(0, stream(), code, x.data_ptr(), w.data_ptr(), bias, y.data_ptr(), mp, rstd.data_ptr(), ROWS, COLS,
+                     1e-5)
+    if direction == "fwd":
+        def ours():
+            out, m, r = torch.empty_like(x), torch.empty_like(mean), torch.empty_like(rstd)
+            _native.norm_fwd(0, stream(), code, x.data_ptr(), w.data_ptr(), bias, out.data_ptr(),
+                             m.data_ptr() if layer else 0, r.data_ptr(), ROWS, COLS, 1e-5)
+            return out
+        return ours, theirs
+
+    def ours():
+        gx, gw, gb = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+        _native.norm_bwd(0, stream(), code, x.data_ptr(), w.data_ptr(), mp, rstd.data_ptr(), g.data_ptr(),
+                         gx.data_ptr(), gw.data_ptr(), gb.data_ptr() if layer else 0, ROWS, COLS)
+        return gx
+    return ours, theirs
+
+
+def paired(ours, theirs, iters):
+    """Per-iteration GPU times (us) of ours and of PyTorch's, each after an L2 flush, the order
+    alternating; enqueued in batches without synchronising (as do_bench), then read."""
+    to, tt = [], []
+    done = 0
+    while done < iters:
+        batch = min(100, iters - done)
+        ev, keep = [], []
+        for i in range(batch):
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            for f, k in (((ours, 0), (theirs, 2)) if (done + i) % 2 == 0 else ((theirs, 2), (ours, 0))):
+                FLUSH.zero_()
+                e[k].record()
+                keep.append(f())
+                e[k + 1].record()
+            ev.append(e)
+        torch.cuda.synchronize()
+        to += [e[0].elapsed_time(e[1]) * 1e3 for e in ev]
+        tt += [e[2].elapsed_time(e[3]) * 1e3 for e in ev]
+        done += batch
+    return to, tt
+
+
+def cases():
+    out = []
+    for op, kind, dt, n, direction in te.cases():
+        if n == N and kind != "copy":
+            out.append(("elementwise", op, kind, dt, direction))
+    for dt in ("f32",):
+        for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+            for direction in ("fwd", "bwd"):
+                out.append(("rows", op, "row", dt, direction))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--iters", type=int, default=600)
+    ap.add_argument("--filter", default=None)
+    args = ap.parse_args()
+    keep = re.compile(args.filter) if args.filter else None
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    records, skipped = [], []
+    for family, op, kind, dt, direction in cases():
+        size = f"{ROWS}x{COLS}" if family == "rows" else str(N)
+        name = f"{dt}/{direction}/{op}/{size}"
+        if keep is not None and not keep.search(name):
+            continue
+        pair = elementwise_case(op, kind, dt, direction) if family == "elementwise" else row_case(op, dt, direction)
+        if pair is None:
+            skipped.append(name)
+            continue
+        ours, theirs = pair
+        paired(ours, theirs, 30)  # warm-up: modules loaded, allocator blocks cached
+        to, tt = paired(ours, theirs, args.iters)
+        mo, mt = statistics.median(to), statistics.median(tt)
+        pr = statistics.median(b / a for a, b in zip(to, tt))
+        if family == "elementwise":
+            autograd = direction == "bwd" and (kind != "unary" or op not in TORCH_KERNEL_BWD)
+        else:
+            autograd = op == "rms_norm" and direction == "bwd"
+        rec = dict(name=name, op=op, dtype=dt, size=size, direction=direction, ours_us=mo, torch_us=mt,
+                   ratio=mt / mo, pair_ratio=pr, iters=args.iters, torch_autograd=autograd)
+        records.append(rec)
+        flag = "  autograd" if autograd else ("  **FLAG** < 1" if mt / mo < 1.0 else "")
+        print(f"{name:36s} ours {mo:6.2f} us  torch {mt:6.2f} us  ratio {mt / mo:6.3f}  (pairs {pr:.3f}){flag}",
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+    kernel_cases = [r for r in records if not r["torch_autograd"]]
+    under = [r for r in kernel_cases if r["ratio"] < 1.0]
+    print(f"\n{len(kernel_cases)} cases against a PyTorch kernel: {len(under)} under 1.0x"
+          + (f" (lowest {min(r['ratio'] for r in under):.3f})" if under else ""))
+    print(f"{len(records) - len(kernel_cases)} against PyTorch's autograd composition; no pair for: "
+          + ", ".join(skipped))
+    print(f"wrote {len(records)} records to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
