@@ -144,11 +144,15 @@ fn activation_fwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    let act = activation(act, a, b)?;
+    unary_fwd_with(py, &c, activation(act, a, b)?.into(), x, y, n)
+}
+
+/// `op(x)` into `y` (`activation_fwd`, `unary_fwd`).
+fn unary_fwd_with(py: Python<'_>, c: &Call, op: UnaryOp, x: u64, y: u64, n: usize) -> PyResult<()> {
     // SAFETY (all borrowed tensors of this module): the Python layer passes live contiguous
     // CUDA tensors of this device, dtype and size, outputs freshly allocated (see `Call::t`).
     let (x, mut y) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?) };
-    c.run(py, || ops::unary_out(&x, act, &mut y))
+    c.run(py, || ops::unary_out(&x, op, &mut y))
 }
 
 /// `act'(x) * g` into `gx`, all of `n` elements.
@@ -168,10 +172,14 @@ fn activation_bwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    let act = activation(act, a, b)?;
-    // SAFETY: see `activation_fwd`.
+    unary_bwd_with(py, &c, activation(act, a, b)?.into(), x, g, gx, n)
+}
+
+/// `op'(x) * g` into `gx` (`activation_bwd`, `unary_bwd`).
+fn unary_bwd_with(py: Python<'_>, c: &Call, op: UnaryOp, x: u64, g: u64, gx: u64, n: usize) -> PyResult<()> {
+    // SAFETY: see `unary_fwd_with`.
     let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
-    c.run(py, || ops::unary_backward_out(&x, &g, act, &mut gx))
+    c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
 }
 
 /// The library's element-wise math and scalar ops, by code (`a`, `b`: the parameters of those
@@ -215,10 +223,7 @@ fn unary_fwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    let op = unary_op(op, a, b)?;
-    // SAFETY: see `activation_fwd`.
-    let (x, mut y) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?) };
-    c.run(py, || ops::unary_out(&x, op, &mut y))
+    unary_fwd_with(py, &c, unary_op(op, a, b)?, x, y, n)
 }
 
 /// `op'(x) * g` into `gx`, all of `n` elements (`op` a [`unary_op`] code).
@@ -238,10 +243,7 @@ fn unary_bwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    let op = unary_op(op, a, b)?;
-    // SAFETY: see `activation_fwd`.
-    let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
-    c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
+    unary_bwd_with(py, &c, unary_op(op, a, b)?, x, g, gx, n)
 }
 
 /// `x op y` into `out`, all of `n` elements; `op`: 0 add, 1 sub, 2 mul, 3 div. As `unary_fwd`,
@@ -267,7 +269,7 @@ fn binary_fwd(
         3 => BinaryOp::Div,
         _ => return Err(PyValueError::new_err(format!("unknown binary op code {op}"))),
     };
-    // SAFETY: see `activation_fwd`.
+    // SAFETY: see `unary_fwd_with`.
     let (x, y, mut out) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?, c.t(out, &[n])?) };
     c.run(py, || ops::binary_out(&x, &y, op, &mut out))
 }
@@ -293,7 +295,7 @@ fn scale_bias_act_fwd(
     let c = Call::new(device, stream, dtype)?;
     let act = activation(act, a, b)?;
     let s = [rows, cols];
-    // SAFETY: see `activation_fwd`.
+    // SAFETY: see `unary_fwd_with`.
     let (x, scale, bias, mut y) = unsafe { (c.t(x, &s)?, c.t(scale, &[cols])?, c.t(bias, &[cols])?, c.t(y, &s)?) };
     c.run(py, || ops::scale_bias_act_out(&x, &scale, &bias, act, &mut y))
 }
@@ -323,7 +325,7 @@ fn scale_bias_act_bwd(
     let c = Call::new(device, stream, dtype)?;
     let act = activation(act, a, b)?;
     let s = [rows, cols];
-    // SAFETY: see `activation_fwd`.
+    // SAFETY: see `unary_fwd_with`.
     let (x, scale, bias, g, mut grads) = unsafe {
         (
             c.t(x, &s)?,
@@ -352,7 +354,7 @@ fn softmax_fwd(
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
     let s = [rows, cols];
-    // SAFETY: see `activation_fwd`.
+    // SAFETY: see `unary_fwd_with`.
     let (x, mut y) = unsafe { (c.t(x, &s)?, c.t(y, &s)?) };
     c.run(py, || if log { ops::log_softmax_out(&x, &mut y) } else { ops::softmax_out(&x, &mut y) })
 }
@@ -375,7 +377,7 @@ fn softmax_bwd(
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
     let s = [rows, cols];
-    // SAFETY: see `activation_fwd`.
+    // SAFETY: see `unary_fwd_with`.
     let (y, g, mut gx) = unsafe { (c.t(y, &s)?, c.t(g, &s)?, c.t(gx, &s)?) };
     c.run(py, || {
         if log { ops::log_softmax_backward_out(&y, &g, &mut gx) } else { ops::softmax_backward_out(&y, &g, &mut gx) }
@@ -403,7 +405,7 @@ fn norm_fwd(
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
     let s = [rows, cols];
-    // SAFETY: see `activation_fwd`; mean and rstd are f32 tensors of `rows`.
+    // SAFETY: see `unary_fwd_with`; mean and rstd are f32 tensors of `rows`.
     let (x, w, b, mut y, mut stats) = unsafe {
         (
             c.t(x, &s)?,
@@ -502,7 +504,7 @@ fn cross_entropy_fwd(
     let c = Call::new(device, stream, dtype)?;
     let opts = CrossEntropyOpts { reduction: reduction(reduction_code)?, ignore_index, label_smoothing };
     let loss_shape: &[usize] = if opts.reduction == Reduction::None { &[rows] } else { &[] };
-    // SAFETY: see `activation_fwd`; target holds `rows` int64, lse `rows` f32, count one f32.
+    // SAFETY: see `unary_fwd_with`; target holds `rows` int64, lse `rows` f32, count one f32.
     let (logits, target, mut loss, mut saved) = unsafe {
         (
             c.t(logits, &[rows, cols])?,
@@ -598,7 +600,7 @@ fn linear_fwd(
 ) -> PyResult<()> {
     let c = Call::new(device, stream, 0)?;
     let act = linear_activation(act)?;
-    // SAFETY: see `activation_fwd`; all four are f32 (dtype code 0).
+    // SAFETY: see `unary_fwd_with`; all four are f32 (dtype code 0).
     let ((x, w, b), mut y) =
         unsafe { (linear_operands(&c, x, weight, bias, (rows, inp, out))?, c.t(y, &[rows, out])?) };
     c.run(py, || ops::gemm_ex(&x, &w, &mut y, Gemm::new(false, true), b.as_ref(), act))
