@@ -58,6 +58,9 @@ impl Dir {
 enum Kind {
     Copy,
     Unary(UnaryOp),
+    /// The backward from the output (`ops::unary_backward_from_output`), as PyTorch's autograd
+    /// runs sigmoid's and tanh's: `(y, grad)` in, `grad_x` out.
+    UnaryFromOutput(UnaryOp),
     Binary(BinaryOp),
     AddRow,
     Fused(Activation),
@@ -90,7 +93,8 @@ impl Case {
         let elems = match (self.kind, self.dir) {
             (Kind::Copy, _) => 2 * n,
             (Kind::Unary(_), Dir::Fwd) => 2 * n,
-            (Kind::Unary(_), Dir::Bwd) => 3 * n,
+            (Kind::Unary(_) | Kind::UnaryFromOutput(_), Dir::Bwd) => 3 * n,
+            (Kind::UnaryFromOutput(_), Dir::Fwd) => unreachable!("a backward only"),
             (Kind::Binary(_), Dir::Fwd) => 3 * n,
             (Kind::Binary(_), Dir::Bwd) => 5 * n,
             // x in, out; the row in.
@@ -161,6 +165,8 @@ fn cases() -> Vec<Case> {
             push(op, Kind::Binary(b), DType::F32, Dir::Fwd);
             push(op, Kind::Binary(b), DType::F32, Dir::Bwd);
         }
+        push("sigmoid_y", Kind::UnaryFromOutput(Activation::Sigmoid.into()), DType::F32, Dir::Bwd);
+        push("tanh_y", Kind::UnaryFromOutput(Activation::Tanh.into()), DType::F32, Dir::Bwd);
         push("add_row", Kind::AddRow, DType::F32, Dir::Fwd);
         push("add_row", Kind::AddRow, DType::F32, Dir::Bwd);
         for &(op, a) in &fused {
@@ -196,6 +202,10 @@ fn build(dev: &Device, case: &Case, seed: u64) -> Result<Run> {
         (Kind::Unary(op), Dir::Bwd) => {
             let g = other(1)?;
             Box::new(move || Ok(vec![ops::unary_backward(&x, &g, op)?]))
+        }
+        (Kind::UnaryFromOutput(op), _) => {
+            let (y, g) = (ops::unary(&x, op)?, other(1)?);
+            Box::new(move || Ok(vec![ops::unary_backward_from_output(&y, &g, op)?]))
         }
         (Kind::Binary(op), Dir::Fwd) => {
             let b = other(1)?;

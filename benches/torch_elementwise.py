@@ -94,6 +94,7 @@ UNARY = {
     "mish": (F.mish, lambda x, g: lambda: aten.mish_backward(g, x)),
     "softplus": (F.softplus, lambda x, g: lambda: aten.softplus_backward(g, x, 1.0, 20.0)),
 }
+FROM_OUTPUT = ("sigmoid", "tanh")
 BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 FUSED = {"scale_bias_relu": F.relu, "scale_bias_gelu": F.gelu, "scale_bias_silu": F.silu}
 
@@ -107,6 +108,9 @@ def cases():
             out += [(op, "unary", "f32", n, "fwd"), (op, "unary", "f32", n, "bwd")]
         for op in BINARY:
             out += [(op, "binary", "f32", n, "fwd"), (op, "binary", "f32", n, "bwd")]
+        # Ours from the saved output (`unary_backward_from_output`); PyTorch's is the same
+        # kernel as for "sigmoid"/"tanh" (its autograd's, from the output too).
+        out += [(op + "_y", "unary_y", "f32", n, "bwd") for op in FROM_OUTPUT]
         out += [("add_row", "row", "f32", n, "fwd"), ("add_row", "row", "f32", n, "bwd")]
         for op in FUSED:
             out += [(op, "fused", "f32", n, "fwd"), (op, "fused", "f32", n, "bwd")]
@@ -130,6 +134,7 @@ def nbytes(kind, direction, n, dt):
         ("copy", "fwd"): 2 * n,
         ("unary", "fwd"): 2 * n,
         ("unary", "bwd"): 3 * n,
+        ("unary_y", "bwd"): 3 * n,
         ("binary", "fwd"): 3 * n,
         ("binary", "bwd"): 5 * n,
         ("row", "fwd"): 2 * n + c,
@@ -147,6 +152,8 @@ def build(op, kind, dt, n, direction):
     x = positive(shape, t) if op in POSITIVE else normal(shape, t)
     if kind == "copy":
         return lambda: x.clone()
+    if kind == "unary_y":
+        return UNARY[op.removesuffix("_y")][1](x, normal(shape, t))
     if kind == "unary":
         fwd, bwd = UNARY[op]
         if direction == "fwd":

@@ -17,9 +17,10 @@ the same allocator on the same stream. The ratio of the two medians over ITERS p
 Our kernels run through the PyTorch package's native module (`kernels_torch._native`: the
 library's own launch code on PyTorch's stream, as `kernels_torch` users get them). The cases and
 their PyTorch baselines are those of `torch_elementwise.py` at 2^16 (the same functions, on the
-same tensors) and of `torch_rows.py` at 64 x 1024, except where PyTorch runs no kernel (its
+same tensors; the `_y` cases are ours from the saved output, against the same PyTorch kernel as
+the op's backward) and of `torch_rows.py` at 64 x 1024, except where PyTorch runs no kernel (its
 gradient aliases the incoming one) and where the package has no entry (the binary backwards,
-`add_row`, transpose, the sums): those stay on the process-pair comparison of compare.py.
+`add_row`, the sums): those stay on the process-pair comparison of compare.py.
 Backward cases that PyTorch composes with autograd are marked `autograd` (its host work, not a
 kernel, is what such a ratio measures). Ratio = PyTorch's time / ours: above 1, ours is faster.
 """
@@ -31,7 +32,6 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_elementwise as te  # noqa: E402
@@ -93,6 +93,17 @@ def elementwise_case(op, kind, dt, direction):
             f_bwd(0, stream(), code, c, a, b, x.data_ptr(), g.data_ptr(), gx.data_ptr(), N)
             return gx
         return ours, (bwd(x, g) if bwd is not None else te.autograd_bwd(fwd, x, g))
+    if kind == "unary_y":
+        # Ours from the saved output, against the same PyTorch kernel as the op's backward.
+        base = op.removesuffix("_y")
+        c, a, b = ACTS[base]
+        y = te.UNARY[base][0](x)
+
+        def ours():
+            gx = torch.empty_like(x)
+            _native.activation_bwd_y(0, stream(), code, c, a, b, y.data_ptr(), g.data_ptr(), gx.data_ptr(), N)
+            return gx
+        return ours, te.UNARY[base][1](x, g)
     if kind == "binary" and direction == "fwd":
         f, y = te.BINARY[op], te.normal(shape, t)
 
@@ -125,8 +136,8 @@ def elementwise_case(op, kind, dt, direction):
 
 
 def row_case(op, dt, direction):
-    """Softmax, log-softmax, layer norm and RMS norm at ROWS x COLS: ours on tensors of the same
-    distributions as `torch_rows.build`'s, PyTorch's its own thunk."""
+    """Softmax, log-softmax, layer norm, RMS norm and transpose at ROWS x COLS: ours on tensors of
+    the same distributions as `torch_rows.build`'s, PyTorch's its own thunk."""
     t = DT[dt]
     code = _ops._DTYPE_CODES[t]
     x, g = tr.normal((ROWS, COLS), t), tr.normal((ROWS, COLS), t)
@@ -147,6 +158,12 @@ def row_case(op, dt, direction):
             gx = torch.empty_like(x)
             _native.softmax_bwd(0, stream(), code, log, y.data_ptr(), g.data_ptr(), gx.data_ptr(), ROWS, COLS)
             return gx
+        return ours, theirs
+    if op == "transpose":
+        def ours():
+            out = torch.empty((COLS, ROWS), device="cuda", dtype=t)
+            _native.transpose(0, stream(), code, x.data_ptr(), out.data_ptr(), 1, ROWS, COLS)
+            return out
         return ours, theirs
     layer = op == "layer_norm"
     mean = torch.empty(ROWS, device="cuda", dtype=torch.float32)
@@ -204,6 +221,7 @@ def cases():
         for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
             for direction in ("fwd", "bwd"):
                 out.append(("rows", op, "row", dt, direction))
+        out.append(("rows", "transpose", "row", dt, "fwd"))
     return out
 
 
@@ -231,7 +249,8 @@ def main():
         mo, mt = statistics.median(to), statistics.median(tt)
         pr = statistics.median(b / a for a, b in zip(to, tt))
         if family == "elementwise":
-            autograd = direction == "bwd" and (kind != "unary" or op not in TORCH_KERNEL_BWD)
+            kernel_bwd = kind == "unary_y" or (kind == "unary" and op in TORCH_KERNEL_BWD)
+            autograd = direction == "bwd" and not kernel_bwd
         else:
             autograd = op == "rms_norm" and direction == "bwd"
         rec = dict(name=name, op=op, dtype=dt, size=size, direction=direction, ours_us=mo, torch_us=mt,

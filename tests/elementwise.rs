@@ -11,6 +11,7 @@ use common::reference::{self as r, U};
 use common::*;
 use kernels::ops::{self, Activation, BinaryOp, UnaryOp};
 use kernels::{DType, Device, Error, Tensor};
+use kernels_gpu::ops::OutputGrad;
 use proptest::prelude::*;
 use std::process::ExitCode;
 
@@ -75,6 +76,43 @@ fn bwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u
                 gx[i],
                 gv * fd
             ));
+        }
+    }
+    Ok(())
+}
+
+/// The backward from the output (`unary_backward_from_output`), with `y` the GPU's forward of
+/// drawn `x`, as a caller keeps it: [`check_bwd_y`], the `out` variant bit for bit, and for the
+/// ops that reuse their backward kernel from `x`, bit for bit against `unary_backward`.
+fn bwd_y_case(
+    dev: &Device,
+    (op, draw_, kernel): (UnaryOp, Draw, Option<OutputGrad>),
+    dt: DType,
+    n: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = TestRng::new(seed);
+    let xs = draw(&mut rng, n, dt, draw_);
+    let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.02 });
+    let x = tensor(dev, &xs, &[n], dt)?;
+    let g = tensor(dev, &gs, &[n], dt)?;
+    let y = ops::unary(&x, op).map_err(e)?;
+    let ys = y.to_f32_vec().map_err(e)?;
+    let gx = ops::unary_backward_from_output(&y, &g, op).map_err(e)?.to_f32_vec().map_err(e)?;
+    let mut out = nan_tensor(dev, &[n], dt)?;
+    ops::unary_backward_from_output_out(&y, &g, op, &mut out).map_err(e)?;
+    // Bit for bit, NaN for NaN: where the gradient passes, the first is `grad` itself and the
+    // second a kernel's f32 round trip, which may give an f16/bf16 NaN another payload.
+    let same = |a: &f32, b: &f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    if !out.to_f32_vec().map_err(e)?.iter().zip(&gx).all(|(a, b)| same(a, b)) {
+        return Err(format!("{op:?}: unary_backward_from_output_out differs from unary_backward_from_output"));
+    }
+
+    check_bwd_y(op, kernel, dt, &xs, &ys, &gs, &gx)?;
+    if kernel.is_none() {
+        let from_x = ops::unary_backward(&x, &g, op).map_err(e)?.to_f32_vec().map_err(e)?;
+        if let Some(i) = (0..n).find(|&i| !same(&from_x[i], &gx[i])) {
+            return Err(format!("{op:?}: from y {:e}, from x {:e} at x = {:e}", gx[i], from_x[i], xs[i]));
         }
     }
     Ok(())
@@ -348,6 +386,19 @@ fn argument_errors(dev: &Device) -> Result<(), String> {
     expect(ops::unary(&a, Activation::Softplus { beta: 0.0, threshold: 20.0 }).map(drop), "softplus beta 0", |e| {
         matches!(e, Error::InvalidArgument { .. })
     })?;
+    for op in
+        [UnaryOp::Abs, UnaryOp::Log, Activation::Gelu.into(), Activation::LeakyRelu { negative_slope: -0.3 }.into()]
+    {
+        expect(ops::unary_backward_from_output(&a, &a, op).map(drop), "no backward from the output", |e| {
+            matches!(e, Error::InvalidArgument { op: "unary_backward_from_output", .. })
+        })?;
+    }
+    expect(ops::unary_backward_from_output(&a, &b, Activation::Sigmoid).map(drop), "grad shape from y", |e| {
+        matches!(e, Error::ShapeMismatch { .. })
+    })?;
+    expect(ops::unary_backward_from_output(&a, &h, Activation::Tanh).map(drop), "grad dtype from y", |e| {
+        matches!(e, Error::DTypeMismatch { .. })
+    })?;
     expect(a.to_vec::<half::f16>().map(drop), "to_vec dtype", |e| matches!(e, Error::DTypeMismatch { .. }))?;
     expect(Tensor::from_slice(dev, &[1.0f32; 3], &[2, 2]).map(drop), "from_slice length", |e| {
         matches!(e, Error::InvalidArgument { .. })
@@ -444,6 +495,11 @@ fn main() -> ExitCode {
             }));
             tests.push(test(format!("unary/bwd/{dt:?}/{op:?}/{}", d.positive), move |dev: &Device| {
                 prop(24, (sizes(), any::<u64>()), |(n, seed)| bwd_case(dev, op, d, dt, n, seed))
+            }));
+        }
+        for case in output_grad_ops() {
+            tests.push(test(format!("unary/bwd_y/{dt:?}/{:?}", case.0), move |dev: &Device| {
+                prop(24, (sizes(), any::<u64>()), |(n, seed)| bwd_y_case(dev, case, dt, n, seed))
             }));
         }
         for op in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div] {

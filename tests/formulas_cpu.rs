@@ -48,6 +48,19 @@ fn unary_formulas_match_the_f64_references() {
 }
 
 #[test]
+fn output_grad_formulas_match_the_f64_references() {
+    for (op, d, kernel) in output_grad_ops() {
+        let mut rng = TestRng::new(0xb1d ^ N as u64);
+        let xs = draw(&mut rng, N, DType::F32, d);
+        let gs = draw(&mut rng, N, DType::F32, Draw { scale: 1.0, positive: false, special: 0.02 });
+        let (k, a, b) = op.kernel();
+        let ys: Vec<f32> = xs.iter().map(|&x| k.fwd_f32(x, a, b)).collect();
+        let got: Vec<f32> = (0..N).map(|i| bwd_y_f32(op, kernel, ys[i], gs[i])).collect();
+        check_bwd_y(op, kernel, DType::F32, &xs, &ys, &gs, &got).unwrap();
+    }
+}
+
+#[test]
 fn reference_derivatives_match_finite_differences() {
     for (op, d) in unary_ops() {
         let mut rng = TestRng::new(77);

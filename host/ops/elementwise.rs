@@ -12,7 +12,7 @@ use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
 };
-use kernels_gpu::ops::{Activation as ActKernel, Binary, Unary};
+use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, Unary};
 use kernels_gpu::{DType, Elem};
 
 /// An activation, usable alone ([`unary`]) or fused ([`scale_bias_act`]). Matches PyTorch's
@@ -296,15 +296,112 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
-    let kernel = k.bwd(x.dtype());
+    launch_unary_bwd(k.bwd(x.dtype()), x, grad, gx, a, b)
+}
+
+/// Launches a unary backward kernel (`UnaryBwdArgs`) on checked operands: `x` (or the output,
+/// for the kernels from it), `grad` and `gx` of one shape, dtype and device.
+fn launch_unary_bwd(kernel: &str, x: &Tensor, grad: &Tensor, gx: &mut Tensor, a: f32, b: f32) -> Result<()> {
     let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
-        // SAFETY: all three hold n elements of T on this device; gx is borrowed mutably, so it
-        // aliases neither input.
+        // SAFETY: all three hold n elements of T on this device (the callers check); gx is
+        // borrowed mutably, so it aliases neither input.
         unsafe { x.device().launch(kernel, cfg, args) }
     })
+}
+
+/// How [`unary_backward_from_output`] computes an op's gradient from its output.
+enum FromOutput {
+    /// The derivative is 1: the gradient is the incoming one.
+    Passes,
+    /// A kernel of its own (`<op>_bwd_y_<dtype>`) reading `y`.
+    Kernel(OutputGrad),
+    /// The backward kernel from `x` gives the same result when it reads `y`: the derivative is a
+    /// constant (neg, multiplication and division by a scalar), or depends only on the sign,
+    /// which the op keeps (relu; leaky relu with a slope of at least 0).
+    SameKernel,
+}
+
+impl UnaryOp {
+    /// Whether (and how) `op'(x)` can be computed from `y = op(x)`; an error naming the op if not.
+    fn grad_from_output(self, name: &'static str) -> Result<FromOutput> {
+        self.validate(name)?;
+        Ok(match self {
+            UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::Act(Activation::Identity) => FromOutput::Passes,
+            UnaryOp::Exp => FromOutput::Kernel(OutputGrad::Exp),
+            UnaryOp::Sqrt => FromOutput::Kernel(OutputGrad::Sqrt),
+            UnaryOp::Rsqrt => FromOutput::Kernel(OutputGrad::Rsqrt),
+            UnaryOp::Act(Activation::Sigmoid) => FromOutput::Kernel(OutputGrad::Sigmoid),
+            UnaryOp::Act(Activation::Tanh) => FromOutput::Kernel(OutputGrad::Tanh),
+            UnaryOp::Neg | UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) | UnaryOp::Act(Activation::Relu) => {
+                FromOutput::SameKernel
+            }
+            // y > 0 exactly where x > 0 when the slope is at least 0 (NaN: NaN either way).
+            UnaryOp::Act(Activation::LeakyRelu { negative_slope })
+                if negative_slope >= 0.0 || negative_slope.is_nan() =>
+            {
+                FromOutput::SameKernel
+            }
+            _ => {
+                return Err(Error::InvalidArgument {
+                    op: name,
+                    message: format!(
+                        "the derivative of {self:?} is not a function of its output; use unary_backward with the \
+                         input (from the output: exp, sqrt, rsqrt, sigmoid, tanh, relu, leaky_relu with a slope >= 0, \
+                         identity and the scalar arithmetic)"
+                    ),
+                });
+            }
+        })
+    }
+}
+
+/// Gradient of `op` from its output `y = op(x)` instead of its input: `op'(x) * grad` written
+/// in `y`, as PyTorch's autograd computes the backward of exp (`grad * y`), sqrt, rsqrt,
+/// sigmoid (`grad * (1 - y) * y`), tanh (`grad * (1 - y * y)`) and relu. A caller that keeps
+/// `y` for the backward need not keep `x`, and for sigmoid and tanh the kernel does a few
+/// multiplications where [`unary_backward`] computes the op again.
+///
+/// The result is the derivative at the `x` that `y` came from, up to `y`'s own rounding: where
+/// `y` has lost what the derivative depends on, so has the result (sigmoid at x = 20 is 1 in
+/// f32, and its gradient from there 0, not 2e-9 `grad`; the same as PyTorch's).
+///
+/// Ops whose derivative is not a function of the output (abs, log, clamp, GELU, ...) are an
+/// [`Error::InvalidArgument`]. Where the derivative is 1 the gradient is `grad` itself, as in
+/// [`unary_backward`].
+pub fn unary_backward_from_output(y: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
+    let op = op.into();
+    let name = "unary_backward_from_output";
+    if let FromOutput::Passes = op.grad_from_output(name)? {
+        check_unary_backward(name, y, grad, op)?;
+        return Ok(grad.clone());
+    }
+    let mut gx = y.alloc_like(name)?;
+    unary_backward_from_output_out(y, grad, op, &mut gx)?;
+    Ok(gx)
+}
+
+/// [`unary_backward_from_output`] into `gx` (the output's shape and dtype). Always a kernel.
+pub fn unary_backward_from_output_out(
+    y: &Tensor,
+    grad: &Tensor,
+    op: impl Into<UnaryOp>,
+    gx: &mut Tensor,
+) -> Result<()> {
+    let op = op.into();
+    let name = "unary_backward_from_output";
+    let (kernel, a, b) = match op.grad_from_output(name)? {
+        FromOutput::Kernel(k) => (k.bwd_y(y.dtype()), 0.0, 0.0),
+        FromOutput::Passes | FromOutput::SameKernel => {
+            let (k, a, b) = op.kernel();
+            (k.bwd(y.dtype()), a, b)
+        }
+    };
+    check_unary_backward(name, y, grad, op)?;
+    check_binary(name, y, gx)?;
+    launch_unary_bwd(kernel, y, grad, gx, a, b)
 }
 
 // --- binary -------------------------------------------------------------------------------------

@@ -734,6 +734,17 @@ macro_rules! unary_kernels {
 }
 crate::unary_list!(unary_kernels);
 
+macro_rules! output_grad_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(output_grad_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<$op _bwd_y_ $sfx>]: UnaryBwdArgs<$T> = |y, g, gx, n, a, b|
+                unary_bwd::<$T, crate::ops::FromOutput<crate::ops::$O>>(y, g, gx, n, a, b));
+        }
+    };
+}
+crate::output_grad_list!(output_grad_kernels);
+
 macro_rules! binary_kernels {
     ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(binary_kernels, $op, $O); )* };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {

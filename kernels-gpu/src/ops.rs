@@ -568,6 +568,66 @@ binary!(Mul, |x, y| x * y, |x, y, g| (g * y, g * x));
 // d/dy as PyTorch orders it, -g * ((x / y) / y), so intermediates overflow where PyTorch's do.
 binary!(Div, |x, y| x / y, |x, y, g| (g / y, -g * ((x / y) / y)));
 
+// --- backward from the output -------------------------------------------------------------------
+/// An op whose derivative is a function of its output, so that its backward can read the saved
+/// output `y = f(x)` instead of `x`, as PyTorch's autograd does for these ops
+/// (`sigmoid_backward(grad, result)`, `tanh_backward`, `grad * result` for exp, ...): a caller
+/// may then keep `y` alone, and the math after the two loads is a few multiplications instead
+/// of the op again (sigmoid's and tanh's backwards from `x` recompute an exp and a reciprocal).
+/// The formulas are PyTorch's, in its order.
+pub trait OutputGradFn: UnaryFn {
+    /// `f'(x) g`, written in `y = f(x)`.
+    fn bwd_y(y: f32, g: f32) -> f32;
+}
+
+/// `O`'s backward from its output, as a [`UnaryFn`] for the unary backward kernel: the kernel's
+/// first input is `y` where `O`'s is `x`. Its forward is `O`'s (no kernel launches it: only the
+/// backward kernels `<op>_bwd_y_<dtype>` exist).
+pub struct FromOutput<O>(core::marker::PhantomData<O>);
+impl<O: OutputGradFn> UnaryFn for FromOutput<O> {
+    #[inline(always)]
+    fn fwd(x: f32, a: f32, b: f32) -> f32 {
+        O::fwd(x, a, b)
+    }
+    #[inline(always)]
+    fn bwd(y: f32, g: f32, _: f32, _: f32) -> f32 {
+        O::bwd_y(y, g)
+    }
+}
+
+impl OutputGradFn for Exp {
+    #[inline(always)]
+    fn bwd_y(y: f32, g: f32) -> f32 {
+        g * y
+    }
+}
+impl OutputGradFn for Sqrt {
+    #[inline(always)]
+    fn bwd_y(y: f32, g: f32) -> f32 {
+        g / (2.0 * y)
+    }
+}
+// Left to right, one factor of y at a time (as `Rsqrt::bwd`): the intermediates stay between
+// g / 2 and the result, so none overflows where the result does not.
+impl OutputGradFn for Rsqrt {
+    #[inline(always)]
+    fn bwd_y(y: f32, g: f32) -> f32 {
+        -0.5 * g * y * y * y
+    }
+}
+impl OutputGradFn for Sigmoid {
+    #[inline(always)]
+    fn bwd_y(y: f32, g: f32) -> f32 {
+        g * (1.0 - y) * y
+    }
+}
+impl OutputGradFn for Tanh {
+    #[inline(always)]
+    fn bwd_y(y: f32, g: f32) -> f32 {
+        g * (1.0 - y * y)
+    }
+}
+
 /// The op lists. Each passes its whole list, `stem Type` pairs, to `$m!` in one invocation:
 /// the device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the host side
 /// gets the enums below and their kernel names from the same list, so the two cannot differ.
@@ -593,6 +653,14 @@ macro_rules! activation_list {
             identity Identity, relu Relu, leaky_relu LeakyRelu, sigmoid Sigmoid, tanh Tanh,
             gelu GeluErf, gelu_tanh GeluTanh, silu Silu, mish Mish, softplus Softplus,
         }
+    };
+}
+
+/// The ops with a backward from the output ([`OutputGradFn`]), as [`unary_list`].
+#[macro_export]
+macro_rules! output_grad_list {
+    ($m:ident) => {
+        $m! { exp Exp, sqrt Sqrt, rsqrt Rsqrt, sigmoid Sigmoid, tanh Tanh, }
     };
 }
 
@@ -634,6 +702,14 @@ macro_rules! op_enum {
             /// The kernels' f32 backward, run here.
             pub fn bwd_f32(self, x: f32, y: f32, g: f32) -> (f32, f32) {
                 match self { $(Binary::$O => <$O as BinaryFn>::bwd(x, y, g)),* }
+            }
+        }
+    };
+    (@eval OutputGrad; $($O:ident)*) => {
+        impl OutputGrad {
+            /// The kernels' f32 backward from the output, run here.
+            pub fn bwd_y_f32(self, y: f32, g: f32) -> f32 {
+                match self { $(OutputGrad::$O => <$O as OutputGradFn>::bwd_y(y, g)),* }
             }
         }
     };
@@ -679,3 +755,10 @@ macro_rules! binary_enum {
         Binary, "", [fwd bwd row_fwd row_bwd]; [$($t)*]); };
 }
 binary_list!(binary_enum);
+
+macro_rules! output_grad_enum {
+    ($($t:tt)*) => { op_enum!(
+        /// The ops with a backward from their output (`<op>_bwd_y_<dtype>`, [`OutputGradFn`]).
+        OutputGrad, "", [bwd_y]; [$($t)*]); };
+}
+output_grad_list!(output_grad_enum);

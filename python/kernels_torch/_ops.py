@@ -164,9 +164,19 @@ def _act_params(params: Sequence[float]) -> tuple[float, float]:
     return p[0], p[1]
 
 
+# The activations whose backward reads the saved output instead of the input, as PyTorch's
+# autograd does for these two: the output is saved (the input may be freed), and the backward
+# kernel is a few multiplications (``grad * (1 - y) * y``, ``grad * (1 - y * y)``) where from the
+# input it computes the activation again. Their backward ops take ``y`` where the others take ``x``.
+_FROM_OUTPUT = {"sigmoid", "tanh"}
+
+
 def _define_activation(name: str, code: int, params: tuple) -> None:
     sig = "".join(f", float {p}={d}" for p, d in params)
     nparams = len(params)
+    from_output = name in _FROM_OUTPUT
+    arg = "y" if from_output else "x"
+    native_bwd = _native.activation_bwd_y if from_output else _native.activation_bwd
 
     def fwd_impl(x: Tensor, *p: float) -> Tensor:
         x = _check(name, "x", x)
@@ -177,18 +187,19 @@ def _define_activation(name: str, code: int, params: tuple) -> None:
         return y
 
     def bwd_impl(x: Tensor, grad: Tensor, *p: float) -> Tensor:
-        x = _check(f"{name}_backward", "x", x)
+        # x: the input, or the output for the activations of _FROM_OUTPUT.
+        x = _check(f"{name}_backward", arg, x)
         grad = _check(f"{name}_backward", "grad", grad, like=x)
         if grad.shape != x.shape:
-            raise ValueError(f"{NS}::{name}_backward: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
+            raise ValueError(f"{NS}::{name}_backward: grad has shape {tuple(grad.shape)}, {arg} {tuple(x.shape)}")
         gx = torch.empty_like(x)
         dev, stream, dt = _where(x)
         a, b = _act_params(p)
-        _native.activation_bwd(dev, stream, dt, code, a, b, x.data_ptr(), grad.data_ptr(), gx.data_ptr(), x.numel())
+        native_bwd(dev, stream, dt, code, a, b, x.data_ptr(), grad.data_ptr(), gx.data_ptr(), x.numel())
         return gx
 
     fwd = _custom_op(name, f"(Tensor x{sig}) -> Tensor")(fwd_impl)
-    bwd = _custom_op(f"{name}_backward", f"(Tensor x, Tensor grad{sig}) -> Tensor")(bwd_impl)
+    bwd = _custom_op(f"{name}_backward", f"(Tensor {arg}, Tensor grad{sig}) -> Tensor")(bwd_impl)
 
     @fwd.register_fake
     def _(x, *p):
@@ -199,12 +210,12 @@ def _define_activation(name: str, code: int, params: tuple) -> None:
         return x.new_empty(x.shape)
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
+        ctx.save_for_backward(output if from_output else inputs[0])
         ctx.params = inputs[1:]
 
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return (_bwd(ctx, f"{name}_backward")(x, grad, *ctx.params),) + (None,) * nparams
+        (saved,) = ctx.saved_tensors  # x, or y for _FROM_OUTPUT
+        return (_bwd(ctx, f"{name}_backward")(saved, grad, *ctx.params),) + (None,) * nparams
 
     _autograd(fwd, name, backward, setup_context)
 

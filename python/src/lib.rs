@@ -172,14 +172,50 @@ fn activation_bwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    unary_bwd_with(py, &c, activation(act, a, b)?.into(), x, g, gx, n)
+    unary_bwd_with(py, &c, activation(act, a, b)?.into(), x, g, gx, n, false)
 }
 
-/// `op'(x) * g` into `gx` (`activation_bwd`, `unary_bwd`).
-fn unary_bwd_with(py: Python<'_>, c: &Call, op: UnaryOp, x: u64, g: u64, gx: u64, n: usize) -> PyResult<()> {
+/// `act'(x) * g` into `gx` from the output `y = act(x)` (`ops::unary_backward_from_output`: for
+/// sigmoid and tanh, whose autograd keeps the output, as PyTorch's), all of `n` elements.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn activation_bwd_y(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    y: u64,
+    g: u64,
+    gx: u64,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    unary_bwd_with(py, &c, activation(act, a, b)?.into(), y, g, gx, n, true)
+}
+
+/// `op'(x) * g` into `gx` (`activation_bwd`, `unary_bwd`), or from the output `y` in `x`'s place
+/// (`activation_bwd_y`).
+#[allow(clippy::too_many_arguments)]
+fn unary_bwd_with(
+    py: Python<'_>,
+    c: &Call,
+    op: UnaryOp,
+    x: u64,
+    g: u64,
+    gx: u64,
+    n: usize,
+    from_output: bool,
+) -> PyResult<()> {
     // SAFETY: see `unary_fwd_with`.
     let (x, g, mut gx) = unsafe { (c.t(x, &[n])?, c.t(g, &[n])?, c.t(gx, &[n])?) };
-    c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
+    if from_output {
+        c.run(py, || ops::unary_backward_from_output_out(&x, &g, op, &mut gx))
+    } else {
+        c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
+    }
 }
 
 /// The library's element-wise math and scalar ops, by code (`a`, `b`: the parameters of those
@@ -243,7 +279,7 @@ fn unary_bwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    unary_bwd_with(py, &c, unary_op(op, a, b)?, x, g, gx, n)
+    unary_bwd_with(py, &c, unary_op(op, a, b)?, x, g, gx, n, false)
 }
 
 /// `x op y` into `out`, all of `n` elements; `op`: 0 add, 1 sub, 2 mul, 3 div. As `unary_fwd`,
@@ -272,6 +308,28 @@ fn binary_fwd(
     // SAFETY: see `unary_fwd_with`.
     let (x, y, mut out) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?, c.t(out, &[n])?) };
     c.run(py, || ops::binary_out(&x, &y, op, &mut out))
+}
+
+/// `x` (`[batch, rows, cols]`) with its last two dimensions swapped into `out` (`[batch, cols,
+/// rows]`). Not wrapped by the Python layer (PyTorch's `x.mT.contiguous()` is the user's); for the
+/// paired bench, as `unary_fwd`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn transpose(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    x: u64,
+    out: u64,
+    batch: usize,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    // SAFETY: see `unary_fwd_with`.
+    let (x, mut out) = unsafe { (c.t(x, &[batch, rows, cols])?, c.t(out, &[batch, cols, rows])?) };
+    c.run(py, || ops::transpose_out(&x, &mut out))
 }
 
 /// `act(x * scale + bias)` into `y`; x and y `[rows, cols]`, scale and bias `[cols]`.
@@ -745,9 +803,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(f32_matmul_precision, m)?)?;
     m.add_function(wrap_pyfunction!(activation_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(activation_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(activation_bwd_y, m)?)?;
     m.add_function(wrap_pyfunction!(unary_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(unary_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(binary_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(transpose, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(softmax_fwd, m)?)?;

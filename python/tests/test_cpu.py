@@ -133,6 +133,7 @@ def test_schemas():
     ops = torch.ops.rustkernels
     assert str(ops.softplus.default._schema) == "rustkernels::softplus(Tensor x, float beta=1., float threshold=20.) -> Tensor"
     assert str(ops.gelu_backward.default._schema) == "rustkernels::gelu_backward(Tensor x, Tensor grad) -> Tensor"
+    assert str(ops.tanh_backward.default._schema) == "rustkernels::tanh_backward(Tensor y, Tensor grad) -> Tensor"
     for name in ["relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "mish", "softplus",
                  "scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy", "linear"]:  # fmt: skip
         assert hasattr(ops, name) and hasattr(ops, name + "_backward"), name

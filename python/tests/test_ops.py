@@ -230,6 +230,7 @@ def test_opcheck():
         (ops.softplus, (x, 2.0, 5.0)),
         (ops.leaky_relu, (x, 0.3)),
         (ops.gelu_backward, (x.detach(), g)),
+        (ops.sigmoid_backward, (torch.sigmoid(x).detach(), g)),
         (ops.scale_bias_act, (x, w, b, "silu", 0.0, 0.0)),
         (ops.scale_bias_act_backward, (x.detach(), w.detach(), b.detach(), g, "silu", 0.0, 0.0)),
         (ops.softmax, (x,)),
@@ -331,6 +332,24 @@ def test_native_unary_and_binary(name, dtype):
             out = torch.full_like(x, float("nan"))
             _native.binary_fwd(0, stream, dt, op, x.data_ptr(), y.data_ptr(), out.data_ptr(), n)
             close(out, f(x.double(), y.double()), dtype, f"binary {op} {n}")
+
+
+def test_sigmoid_and_tanh_keep_their_output():
+    """Their autograd saves the output, not the input (as PyTorch's), and the backward from it
+    matches float64 autograd at the input; the backward ops take the output."""
+    for f, ref in [(kt.sigmoid, torch.sigmoid), (kt.tanh, torch.tanh)]:
+        for dtype in DTYPES:
+            x = randn(4099, dtype=dtype, scale=3.0, seed=50).requires_grad_()
+            g = randn(4099, dtype=dtype, seed=51)
+            y = f(x)
+            (saved,) = y.grad_fn.saved_tensors
+            assert saved.data_ptr() == y.data_ptr() and saved.data_ptr() != x.data_ptr(), f
+            (gx,) = torch.autograd.grad(y, x, g)
+            xr = x.detach().double().requires_grad_()
+            (rgx,) = torch.autograd.grad(ref(xr), xr, g.double())
+            close(gx, rgx, dtype, f"{ref.__name__} backward from the output")
+            op = getattr(torch.ops.rustkernels, ref.__name__ + "_backward")
+            close(op(y.detach(), g), rgx, dtype, f"{ref.__name__}_backward op")
 
 
 def test_native_refuses_misaligned_addresses():

@@ -12,6 +12,7 @@ pub mod reference;
 
 use kernels::ops::{Activation, UnaryOp};
 use kernels::{DType, Device, Tensor};
+use kernels_gpu::ops::OutputGrad;
 use libtest_mimic::{Arguments, Failed, Trial};
 use std::process::ExitCode;
 use std::sync::OnceLock;
@@ -419,4 +420,82 @@ pub fn unary_ops() -> Vec<(UnaryOp, Draw)> {
     ];
     v.extend(activations().into_iter().map(|a| (UnaryOp::Act(a), Draw::NORMAL)));
     v
+}
+
+/// The ops with a backward from their output (`ops::unary_backward_from_output`), each with its
+/// input distribution; `Some` kernel for those with a kernel of their own, `None` for those that
+/// reuse their backward from `x` (a constant derivative, relu's sign) or pass the gradient on.
+pub fn output_grad_ops() -> Vec<(UnaryOp, Draw, Option<OutputGrad>)> {
+    vec![
+        (UnaryOp::Exp, Draw::NORMAL, Some(OutputGrad::Exp)),
+        (UnaryOp::Sqrt, Draw::POSITIVE, Some(OutputGrad::Sqrt)),
+        (UnaryOp::Rsqrt, Draw::POSITIVE, Some(OutputGrad::Rsqrt)),
+        (Activation::Sigmoid.into(), Draw::NORMAL, Some(OutputGrad::Sigmoid)),
+        (Activation::Tanh.into(), Draw::NORMAL, Some(OutputGrad::Tanh)),
+        (Activation::Relu.into(), Draw::NORMAL, None),
+        (Activation::LEAKY_RELU.into(), Draw::NORMAL, None),
+        (Activation::LeakyRelu { negative_slope: 0.0 }.into(), Draw::NORMAL, None),
+        (UnaryOp::Neg, Draw::NORMAL, None),
+        (UnaryOp::MulScalar(0.1), Draw::NORMAL, None),
+        (UnaryOp::DivScalar(3.0), Draw::NORMAL, None),
+        (UnaryOp::AddScalar(1.5), Draw::NORMAL, None),
+        (Activation::Identity.into(), Draw::NORMAL, None),
+    ]
+}
+
+/// The kernel's f32 backward from the output at `(y, g)`, run on the CPU: its own formula, or the
+/// backward from `x` read at `y`.
+pub fn bwd_y_f32(op: UnaryOp, kernel: Option<OutputGrad>, y: f32, g: f32) -> f32 {
+    match kernel {
+        Some(k) => k.bwd_y_f32(y, g),
+        None => {
+            let (k, a, b) = op.kernel();
+            k.bwd_f32(y, g, a, b)
+        }
+    }
+}
+
+/// Checks a backward from the output, `got[i]` at `(ys[i], gs[i])` with `ys[i]` the stored
+/// forward of `xs[i]`: against the formula in `y` evaluated in f64 at the same `y`, and for the
+/// ops with a kernel of their own against the exact derivative at `x`, within what `y`'s own
+/// error carries (the formula's slope in `y` times `|y - f(x)|`, twice, plus the second order).
+pub fn check_bwd_y(
+    op: UnaryOp,
+    kernel: Option<OutputGrad>,
+    dt: DType,
+    xs: &[f32],
+    ys: &[f32],
+    gs: &[f32],
+    got: &[f32],
+) -> Result<(), String> {
+    use reference as r;
+    let want: Vec<f64> = (0..xs.len())
+        .map(|i| r::unary_bwd_y(op, ys[i] as f64, gs[i] as f64).ok_or(format!("{op:?} has no backward from y")))
+        .collect::<Result<_, _>>()?;
+    let show = |i: usize| format!("y = {:e}, g = {:e} (x = {:e})", ys[i], gs[i], xs[i]);
+    let emul = |i: usize| at_extremes(&[ys[i], gs[i]], || bwd_y_f32(op, kernel, ys[i], gs[i]));
+    let tol = |i: usize| r::unary_bwd_y_tol(op, ys[i] as f64, gs[i] as f64);
+    compare(&format!("{op:?} backward from the output"), dt, got, &want, tol, emul, show)?;
+    if kernel.is_none() {
+        return Ok(());
+    }
+    for i in 0..xs.len() {
+        let (xv, yv, gv) = (xs[i] as f64, ys[i] as f64, gs[i] as f64);
+        let exact = r::unary_bwd(op, xv, gv);
+        if at_extremes(&[xs[i], ys[i], gs[i]], || 0.0).is_some() || !exact.is_finite() || !got[i].is_finite() {
+            continue;
+        }
+        let err_y = (yv - r::unary_fwd(op, xv)).abs();
+        let t = r::unary_bwd_y_tol(op, yv, gv);
+        let carried =
+            2.0 * r::unary_bwd_y_slope(op, yv, gv) * err_y + 3.0 * gv.abs() * (1.0 + yv.abs()) * err_y * err_y;
+        if !close(dt, got[i], exact, Tol { rtol: t.rtol, atol: t.atol + carried }) {
+            return Err(format!(
+                "{op:?}: gradient from y {:e} != the derivative at x {exact:e} (y's error {err_y:e}) at {}",
+                got[i],
+                show(i)
+            ));
+        }
+    }
+    Ok(())
 }

@@ -250,6 +250,56 @@ pub fn act_bwd_tol(a: Activation, x: f64, g: f64) -> Tol {
     }
 }
 
+// --- backward from the output ---------------------------------------------------------------
+
+/// `op'(x) g` written in the output `y = op(x)`, PyTorch's formulas for the backward from the
+/// result, in f64 at the given `y`; `None` where `op` has no such backward. The ops whose
+/// derivative is a constant or relu's sign take their backward from `x`, read at `y`.
+pub fn unary_bwd_y(op: UnaryOp, y: f64, g: f64) -> Option<f64> {
+    Some(match op {
+        UnaryOp::Exp => g * y,
+        UnaryOp::Sqrt => g / (2.0 * y),
+        UnaryOp::Rsqrt => -0.5 * g * y * y * y,
+        UnaryOp::Act(Activation::Sigmoid) => g * (1.0 - y) * y,
+        UnaryOp::Act(Activation::Tanh) => g * (1.0 - y * y),
+        UnaryOp::Neg
+        | UnaryOp::MulScalar(_)
+        | UnaryOp::DivScalar(_)
+        | UnaryOp::AddScalar(_)
+        | UnaryOp::SubScalar(_) => unary_bwd(op, y, g),
+        UnaryOp::Act(Activation::Identity | Activation::Relu) => unary_bwd(op, y, g),
+        UnaryOp::Act(Activation::LeakyRelu { negative_slope }) if negative_slope >= 0.0 || negative_slope.is_nan() => {
+            unary_bwd(op, y, g)
+        }
+        _ => return None,
+    })
+}
+
+/// Error bound of the kernels' f32 backward from the output at the `y` it reads: products only
+/// (relative: three roundings at most, 1.5 U), except tanh's `1 - y y`, whose rounding of `y y`
+/// is absolute at the scale `y^2 U / 2` and cancels against 1 near `|y| = 1`.
+pub fn unary_bwd_y_tol(op: UnaryOp, y: f64, g: f64) -> Tol {
+    match op {
+        UnaryOp::Rsqrt | UnaryOp::Act(Activation::Sigmoid) => Tol { rtol: 2.0 * U, atol: 0.0 },
+        UnaryOp::Act(Activation::Tanh) => Tol { rtol: 2.0 * U, atol: g.abs() * y * y * U },
+        _ => Tol { rtol: 0.0, atol: 0.0 },
+    }
+}
+
+/// `|d/dy|` of [`unary_bwd_y`]'s formula at `y` (for the kernel ops): how an error in `y` itself
+/// moves the gradient, to first order.
+pub fn unary_bwd_y_slope(op: UnaryOp, y: f64, g: f64) -> f64 {
+    let ag = g.abs();
+    match op {
+        UnaryOp::Exp => ag,
+        UnaryOp::Sqrt => ag / (2.0 * y * y),
+        UnaryOp::Rsqrt => 1.5 * ag * y * y,
+        UnaryOp::Act(Activation::Sigmoid) => ag * (1.0 - 2.0 * y).abs(),
+        UnaryOp::Act(Activation::Tanh) => 2.0 * ag * y.abs(),
+        _ => 0.0,
+    }
+}
+
 /// Where the derivative is not smooth (finite differences are meaningless within `h`).
 pub fn kinks(op: UnaryOp) -> Vec<f64> {
     match op {
