@@ -20,7 +20,7 @@ their PyTorch baselines are those of `torch_elementwise.py` at 2^16 (the same fu
 same tensors; the `_y` cases are ours from the saved output, against the same PyTorch kernel as
 the op's backward) and of `torch_rows.py` at 64 x 1024, except where PyTorch runs no kernel (its
 gradient aliases the incoming one) and where the package has no entry (the binary backwards,
-`add_row`, the sums): those stay on the process-pair comparison of compare.py.
+`add_row`'s backward, the sums): those stay on the process-pair comparison of compare.py.
 Backward cases that PyTorch composes with autograd are marked `autograd` (its host work, not a
 kernel, is what such a ratio measures). Ratio = PyTorch's time / ours: above 1, ours is faster.
 """
@@ -112,6 +112,16 @@ def elementwise_case(op, kind, dt, direction):
             _native.binary_fwd(0, stream(), code, BINARY[op], x.data_ptr(), y.data_ptr(), out.data_ptr(), N)
             return out
         return ours, (lambda: f(x, y))
+    if kind == "row" and direction == "fwd":
+        # add_row: x + b with b broadcast along the rows (torch_elementwise.py's row).
+        b = te.normal((te.COLS,), t)
+
+        def ours():
+            out = torch.empty_like(x)
+            _native.binary_row_fwd(0, stream(), code, BINARY[op.removesuffix("_row")], x.data_ptr(), b.data_ptr(),
+                                   out.data_ptr(), N // te.COLS, te.COLS)
+            return out
+        return ours, (lambda: x + b)
     if kind == "fused":
         act, c = te.FUSED[op], FUSED[op]
         s, b = te.normal((te.COLS,), t, 1.0, 0.5), te.normal((te.COLS,), t, 0.0, 0.5)

@@ -241,8 +241,12 @@ fn row_case(dev: &Device, op: BinaryOp, dt: DType, rows: usize, cols: usize, see
     )?;
     let mut xi = x.try_clone().map_err(e)?;
     ops::binary_row_(&mut xi, &b, op).map_err(e)?;
-    if xi.to_f32_vec().map_err(e)?.iter().zip(&y).any(|(a, b)| a.to_bits() != b.to_bits()) {
-        return Err(format!("{op:?}: binary_row_ differs from binary_row"));
+    let mut out = nan_tensor(dev, &[rows, cols], dt)?;
+    ops::binary_row_out(&x, &b, op, &mut out).map_err(e)?;
+    for (what, t) in [("binary_row_", &xi), ("binary_row_out", &out)] {
+        if t.to_f32_vec().map_err(e)?.iter().zip(&y).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            return Err(format!("{op:?}: {what} differs from binary_row"));
+        }
     }
 
     let (gx, gb) = ops::binary_row_backward(&x, &b, &g, op).map_err(e)?;

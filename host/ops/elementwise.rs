@@ -485,11 +485,18 @@ fn check_row(name: &'static str, x: &Tensor, row: &Tensor, what: &'static str) -
 /// `x op row`, with `row` (shape `[x.last_dim()]`) broadcast over the other dimensions: e.g.
 /// adding a bias.
 pub fn binary_row(x: &Tensor, row: &Tensor, op: BinaryOp) -> Result<Tensor> {
-    check_row("binary_row", x, row, "the row must match the last dimension")?;
     let mut out = x.alloc_like("binary_row")?;
-    let p = out.dev_ptr_mut::<u8>()? as u64;
-    launch_row_fwd(x, x.dev_ptr_u64(), row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)?;
+    binary_row_out(x, row, op, &mut out)?;
     Ok(out)
+}
+
+/// [`binary_row`] into `out` (`x`'s shape and dtype).
+pub fn binary_row_out(x: &Tensor, row: &Tensor, op: BinaryOp, out: &mut Tensor) -> Result<()> {
+    let name = "binary_row_out";
+    check_row(name, x, row, "the row must match the last dimension")?;
+    check_binary(name, x, out)?;
+    let p = out.dev_ptr_mut::<u8>()? as u64;
+    launch_row_fwd(x, x.dev_ptr_u64(), row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)
 }
 
 /// `x = x op row`, in place.

@@ -282,6 +282,17 @@ fn unary_bwd(
     unary_bwd_with(py, &c, unary_op(op, a, b)?, x, g, gx, n, false)
 }
 
+/// Binary op codes: 0 add, 1 sub, 2 mul, 3 div.
+fn binary_op(code: u8) -> PyResult<BinaryOp> {
+    Ok(match code {
+        0 => BinaryOp::Add,
+        1 => BinaryOp::Sub,
+        2 => BinaryOp::Mul,
+        3 => BinaryOp::Div,
+        _ => return Err(PyValueError::new_err(format!("unknown binary op code {code}"))),
+    })
+}
+
 /// `x op y` into `out`, all of `n` elements; `op`: 0 add, 1 sub, 2 mul, 3 div. As `unary_fwd`,
 /// for the paired bench.
 #[pyfunction]
@@ -298,16 +309,33 @@ fn binary_fwd(
     n: usize,
 ) -> PyResult<()> {
     let c = Call::new(device, stream, dtype)?;
-    let op = match op {
-        0 => BinaryOp::Add,
-        1 => BinaryOp::Sub,
-        2 => BinaryOp::Mul,
-        3 => BinaryOp::Div,
-        _ => return Err(PyValueError::new_err(format!("unknown binary op code {op}"))),
-    };
+    let op = binary_op(op)?;
     // SAFETY: see `unary_fwd_with`.
     let (x, y, mut out) = unsafe { (c.t(x, &[n])?, c.t(y, &[n])?, c.t(out, &[n])?) };
     c.run(py, || ops::binary_out(&x, &y, op, &mut out))
+}
+
+/// `x op row` into `out`; x and out `[rows, cols]`, row `[cols]`; `op` as `binary_fwd`. Not
+/// wrapped by the Python layer (PyTorch's `x + b` is the user's); for the paired bench.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn binary_row_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    op: u8,
+    x: u64,
+    row: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let op = binary_op(op)?;
+    // SAFETY: see `unary_fwd_with`.
+    let (x, row, mut out) = unsafe { (c.t(x, &[rows, cols])?, c.t(row, &[cols])?, c.t(out, &[rows, cols])?) };
+    c.run(py, || ops::binary_row_out(&x, &row, op, &mut out))
 }
 
 /// `x` (`[batch, rows, cols]`) with its last two dimensions swapped into `out` (`[batch, cols,
@@ -808,6 +836,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unary_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(binary_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(transpose, m)?)?;
+    m.add_function(wrap_pyfunction!(binary_row_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(softmax_fwd, m)?)?;
