@@ -1,7 +1,7 @@
 //! Launch geometry: pure functions of the problem size and the GPU, tested on the CPU.
 
 use crate::device::LaunchConfig;
-use kernels_gpu::elementwise::{BLOCK, COL_BLOCK_X, COL_BLOCK_Y, half_vectors};
+use kernels_gpu::elementwise::{BLOCK, COL_BLOCK_X, COL_BLOCK_Y, SMALL_BLOCK, half_vectors};
 use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 
 /// Grid for an element-wise kernel over `n` elements moved `vec` at a time, `unroll` vectors
@@ -30,27 +30,22 @@ pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: 
     Some(LaunchConfig { grid: (grid, 1, 1), block: (block as u32, 1, 1), shared_bytes: 0 })
 }
 
-/// Grid of the unary and binary kernels, which take half vectors (8 bytes a thread) in small
-/// launches: where even one half vector a thread stays within one wave of resident blocks, one
-/// thread per half vector (and per tail element), in blocks spread over the SMs as in
-/// [`elementwise`]; otherwise [`elementwise`]'s grid. The kernel sees the half-vector grid
-/// (every half vector has a thread) and takes its 8-byte loop: at this size a launch is the
-/// latency of one pass, which twice the threads with half the math each shorten (2^16 f32:
-/// 128 blocks of 256 threads, two elements each).
-pub fn elementwise_halves(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: u32) -> Option<LaunchConfig> {
-    if n == 0 {
+/// Grid of a small launch of the unary and binary ops (their `_small` entries: one 8-byte half
+/// vector a thread, no loop), where even one half vector a thread stays within one wave of the
+/// grid-stride kernel's resident blocks (`blocks_per_sm` of 256 threads an SM); `None` above
+/// that, and for `n = 0`. A thread for every half vector and every tail element, in blocks of
+/// [`SMALL_BLOCK`] threads (a constant of those kernels). At this size a launch is the latency of
+/// one pass, which twice the threads with half the math each shorten (2^16 f32: 256 blocks of 128
+/// threads, two elements each).
+pub fn elementwise_small(n: u64, vec: u64, sm_count: u32, blocks_per_sm: u32) -> Option<LaunchConfig> {
+    let wave = sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64 * BLOCK as u64;
+    let halves = half_vectors(n, vec);
+    if n == 0 || vec < 2 || halves > wave {
         return None;
     }
-    let sms = sm_count.max(1) as u64;
-    let wave = sms * blocks_per_sm.max(1) as u64 * BLOCK as u64;
-    let halves = half_vectors(n, vec);
-    if vec < 2 || halves > wave {
-        return elementwise(n, vec, unroll, sm_count, blocks_per_sm);
-    }
-    let threads = halves.max(n - halves * (vec / 2)).max(1);
-    let block = threads.div_ceil(sms).next_multiple_of(32).clamp(32, BLOCK as u64);
-    let grid = threads.div_ceil(block) as u32;
-    Some(LaunchConfig { grid: (grid, 1, 1), block: (block as u32, 1, 1), shared_bytes: 0 })
+    let threads = halves.max(n - halves * (vec / 2));
+    let grid = threads.div_ceil(SMALL_BLOCK as u64) as u32;
+    Some(LaunchConfig { grid: (grid, 1, 1), block: (SMALL_BLOCK, 1, 1), shared_bytes: 0 })
 }
 
 /// Grid of a column-reduction kernel over a `rows x cols` matrix: `32 x 8` blocks, `grid.x`
@@ -195,8 +190,8 @@ mod tests {
     }
 
     #[test]
-    fn elementwise_halves_below_a_wave() {
-        assert_eq!(elementwise_halves(0, 4, 4, 132, 8), None);
+    fn elementwise_small_below_a_wave() {
+        assert_eq!(elementwise_small(0, 4, 132, 8), None);
         let wave = 132 * 8 * 256;
         for n in [
             1u64,
@@ -216,26 +211,24 @@ mod tests {
             1 << 28,
         ] {
             for vec in [4u64, 8] {
-                let c = elementwise_halves(n, vec, 4, 132, 8).unwrap();
-                let threads = c.grid.0 as u64 * c.block.0 as u64;
                 let halves = n / (vec / 2);
-                if halves <= wave {
-                    // A thread for every half vector and every tail element: the kernel's test
-                    // for its 8-byte loop (`grid_threads >= half_vectors`), and no thread idle
-                    // past a block's rounding.
-                    assert!(threads >= halves && threads >= n % (vec / 2), "n={n} vec={vec}");
-                    assert!(threads < halves.max(n % (vec / 2)).max(1) + 256, "n={n} vec={vec}");
-                    assert!(c.block.0.is_multiple_of(32) && (32..=256).contains(&c.block.0));
-                } else {
-                    // Larger: the 16-byte grid, which never gives every half vector a thread.
-                    assert_eq!(Some(c), elementwise(n, vec, 4, 132, 8), "n={n} vec={vec}");
-                    assert!(threads < halves, "n={n} vec={vec}");
+                match elementwise_small(n, vec, 132, 8) {
+                    Some(c) => {
+                        // A thread for every half vector and every tail element, none idle past
+                        // the last block's rounding.
+                        let threads = c.grid.0 as u64 * c.block.0 as u64;
+                        let need = halves.max(n % (vec / 2));
+                        assert!(halves <= wave, "n={n} vec={vec}");
+                        assert!(threads >= need && threads < need + SMALL_BLOCK as u64, "n={n} vec={vec}");
+                        assert_eq!(c.block, (SMALL_BLOCK, 1, 1));
+                    }
+                    // Larger: the grid-stride kernel.
+                    None => assert!(halves > wave, "n={n} vec={vec}"),
                 }
             }
         }
-        // 2^16 f32 on an H100: 128 blocks of 256 threads, two elements each.
-        assert_eq!(elementwise_halves(1 << 16, 4, 4, 132, 4).unwrap().grid, (128, 1, 1));
-        assert_eq!(elementwise_halves(1 << 16, 4, 4, 132, 4).unwrap().block, (256, 1, 1));
+        // 2^16 f32 on an H100: 256 blocks of 128 threads, two elements each.
+        assert_eq!(elementwise_small(1 << 16, 4, 132, 4).unwrap().grid, (256, 1, 1));
     }
 
     #[test]

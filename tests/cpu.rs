@@ -82,12 +82,16 @@ fn host_kernels() -> BTreeMap<String, usize> {
         for u in Unary::ALL {
             put(u.fwd(dt), u_f);
             put(u.bwd(dt), u_b);
+            put(u.fwd_small(dt), u_f);
+            put(u.bwd_small(dt), u_b);
         }
         for b in Binary::ALL {
             put(b.fwd(dt), b_f);
             put(b.bwd(dt), b_b);
             put(b.row_fwd(dt), r_f);
             put(b.row_bwd(dt), r_b);
+            put(b.fwd_small(dt), b_f);
+            put(b.bwd_small(dt), b_b);
         }
         for a in Activation::ALL {
             put(a.fwd(dt), r_f);
@@ -95,6 +99,7 @@ fn host_kernels() -> BTreeMap<String, usize> {
         }
         for o in OutputGrad::ALL {
             put(o.bwd_y(dt), u_b);
+            put(o.bwd_y_small(dt), u_b);
         }
         put(colsum_finish_kernel(dt), c);
         put(fill_kernel(dt), fl);

@@ -42,6 +42,12 @@ fn fwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u
 }
 
 fn bwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u64) -> Result<(), String> {
+    bwd_check(dev, op, draw_, dt, n, seed, true)
+}
+
+/// [`bwd_case`], with the finite differences (`fd`) or without (the analytic f64 derivative
+/// alone, which they check; for sizes where a difference quotient per element is slow).
+fn bwd_check(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u64, fd: bool) -> Result<(), String> {
     let mut rng = TestRng::new(seed);
     let xs = draw(&mut rng, n, dt, draw_);
     let gs = draw(&mut rng, n, dt, Draw { scale: 1.0, positive: false, special: 0.02 });
@@ -57,7 +63,7 @@ fn bwd_case(dev: &Device, op: UnaryOp, draw_: Draw, dt: DType, n: usize, seed: u
 
     // Central finite differences of the f64 forward: the analytic reference must agree with
     // them, and so must the GPU's gradient (within its own tolerance plus the FD error).
-    for i in 0..n {
+    for i in (0..n).filter(|_| fd) {
         let (xv, gv) = (xs[i] as f64, gs[i] as f64);
         let Some(fd) = r::finite_difference(op, xv) else { continue };
         if !gv.is_finite() {
@@ -539,13 +545,37 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
+    // The random sizes (up to 300k elements) are small launches for most kernels, which run the
+    // ops' `_small` entries: every op once more past the largest small launch, on its grid-stride
+    // kernel, in every dtype. One vector a thread here; `unary_binary/widths` has the unrolled loop.
+    if !sanitizer() {
+        for dt in DType::ALL {
+            tests.push(test(format!("unary_binary/grid_stride/{dt:?}"), move |dev: &Device| {
+                // Half vectors of 8 bytes; small launches go up to one per thread of
+                // a wave of at most 8 resident 256-thread blocks an SM.
+                let n = 8 / dt.size() * 8 * 256 * dev.sm_count() as usize + 13;
+                for (i, (op, d)) in unary_ops().into_iter().enumerate() {
+                    fwd_case(dev, op, d, dt, n, i as u64)?;
+                    bwd_check(dev, op, d, dt, n, 100 + i as u64, false)?;
+                }
+                for (i, case) in output_grad_ops().into_iter().enumerate() {
+                    bwd_y_case(dev, case, dt, n, 200 + i as u64)?;
+                }
+                for (i, op) in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div].into_iter().enumerate() {
+                    binary_case(dev, op, dt, n, 300 + i as u64)?;
+                }
+                Ok(())
+            }));
+        }
+    }
     tests.push(test("unary_binary/widths", |dev: &Device| {
-        // The unary and binary kernels' three grids in every dtype (`launch::elementwise_halves`):
-        // half vectors a thread (under one wave), one 16-byte vector a thread, and the unrolled
-        // loop. With `b` resident 256-thread blocks an SM, the first holds up to `vec / 2 * 256 *
-        // b * sms` elements and the last starts at `vec * unroll * 256 * b * sms`; the middle size
-        // is in between for `b` = 4 (the 48-64 registers of most of these kernels), the large one
-        // past it for any `b` up to 8. Odd sizes, so every grid also has a tail.
+        // The unary and binary launches' three grids in every dtype: a small launch (the `_small`
+        // entries, `launch::elementwise_small`: half vectors a thread, under one wave), and the
+        // grid-stride kernel with one 16-byte vector a thread and with its unrolled loop. With `b`
+        // resident 256-thread blocks an SM, the first holds up to `vec / 2 * 256 * b * sms`
+        // elements and the last starts at `vec * unroll * 256 * b * sms`; the middle size is in
+        // between for `b` = 4 (the 48-64 registers of most of these kernels), the large one past
+        // it for any `b` up to 8. Odd sizes, so every grid also has a tail.
         // Under compute-sanitizer, the first two grids (the third is the loop of every large size).
         let sms = dev.sm_count() as usize;
         let sizes = [100_003, 2048 * 4 * sms + 5, 4096 * 8 * sms + 13];

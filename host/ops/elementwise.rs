@@ -212,13 +212,22 @@ fn grid_1d(x: &Tensor, kernel: &str, unrolled: bool) -> Result<Option<crate::dev
     Ok(launch::elementwise(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
 }
 
-/// Grid of a unary or binary kernel over `x`: half vectors a thread in small launches
-/// ([`launch::elementwise_halves`]).
-fn grid_halves(x: &Tensor, kernel: &str) -> Result<Option<crate::device::LaunchConfig>> {
-    let dev = x.device();
+/// The kernel and grid of a unary or binary launch over `x`: the op's small-launch entry
+/// (`small`, [`launch::elementwise_small`]) where one half vector a thread fits one wave of the
+/// grid-stride kernel (`big`), else `big` on [`launch::elementwise`]'s grid; `None` for an empty
+/// tensor.
+fn plan<'k>(x: &Tensor, big: &'k str, small: &'k str) -> Result<Option<(&'k str, crate::device::LaunchConfig)>> {
+    let (dev, n) = (x.device(), x.numel() as u64);
+    if n == 0 {
+        return Ok(None);
+    }
     let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
+    let blocks = dev.blocks_per_sm_256(big)?;
+    if let Some(cfg) = launch::elementwise_small(n, vec, dev.sm_count(), blocks) {
+        return Ok(Some((small, cfg)));
+    }
     let unroll = kernels_gpu::elementwise::unroll(x.dtype()) as u64;
-    Ok(launch::elementwise_halves(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
+    Ok(launch::elementwise(n, vec, unroll, dev.sm_count(), blocks).map(|cfg| (big, cfg)))
 }
 
 // --- unary --------------------------------------------------------------------------------------
@@ -239,8 +248,7 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     check_same_dtype(name, x, out)?;
     check_same_shape(name, x, out, "output")?;
     let (k, a, b) = op.kernel();
-    let kernel = k.fwd(x.dtype());
-    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
+    let Some((kernel, cfg)) = plan(x, k.fwd(x.dtype()), k.fwd_small(x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
@@ -254,8 +262,7 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     let op = op.into();
     op.validate("unary_")?;
     let (k, a, b) = op.kernel();
-    let kernel = k.fwd(x.dtype());
-    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
+    let Some((kernel, cfg)) = plan(x, k.fwd(x.dtype()), k.fwd_small(x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let p = x.dev_ptr_mut::<T>()?;
@@ -296,13 +303,21 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
-    launch_unary_bwd(k.bwd(x.dtype()), x, grad, gx, a, b)
+    launch_unary_bwd((k.bwd(x.dtype()), k.bwd_small(x.dtype())), x, grad, gx, a, b)
 }
 
-/// Launches a unary backward kernel (`UnaryBwdArgs`) on checked operands: `x` (or the output,
-/// for the kernels from it), `grad` and `gx` of one shape, dtype and device.
-fn launch_unary_bwd(kernel: &str, x: &Tensor, grad: &Tensor, gx: &mut Tensor, a: f32, b: f32) -> Result<()> {
-    let Some(cfg) = grid_halves(x, kernel)? else { return Ok(()) };
+/// Launches a unary backward kernel (`UnaryBwdArgs`; grid-stride and small-launch entries, as
+/// [`plan`]) on checked operands: `x` (or the output, for the kernels from it), `grad` and `gx`
+/// of one shape, dtype and device.
+fn launch_unary_bwd(
+    (big, small): (&str, &str),
+    x: &Tensor,
+    grad: &Tensor,
+    gx: &mut Tensor,
+    a: f32,
+    b: f32,
+) -> Result<()> {
+    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
@@ -392,16 +407,17 @@ pub fn unary_backward_from_output_out(
 ) -> Result<()> {
     let op = op.into();
     let name = "unary_backward_from_output";
-    let (kernel, a, b) = match op.grad_from_output(name)? {
-        FromOutput::Kernel(k) => (k.bwd_y(y.dtype()), 0.0, 0.0),
+    let dt = y.dtype();
+    let (kernels, a, b) = match op.grad_from_output(name)? {
+        FromOutput::Kernel(k) => ((k.bwd_y(dt), k.bwd_y_small(dt)), 0.0, 0.0),
         FromOutput::Passes | FromOutput::SameKernel => {
             let (k, a, b) = op.kernel();
-            (k.bwd(y.dtype()), a, b)
+            ((k.bwd(dt), k.bwd_small(dt)), a, b)
         }
     };
     check_unary_backward(name, y, grad, op)?;
     check_binary(name, y, gx)?;
-    launch_unary_bwd(kernel, y, grad, gx, a, b)
+    launch_unary_bwd(kernels, y, grad, gx, a, b)
 }
 
 // --- binary -------------------------------------------------------------------------------------
@@ -436,8 +452,8 @@ pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
 }
 
 fn launch_binary(a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
-    let kernel = op.kernel().fwd(b.dtype());
-    let Some(cfg) = grid_halves(b, kernel)? else { return Ok(()) };
+    let (k, dt) = (op.kernel(), b.dtype());
+    let Some((kernel, cfg)) = plan(b, k.fwd(dt), k.fwd_small(dt))? else { return Ok(()) };
     let n = b.numel() as u64;
     with_elem!(b.dtype(), |T| {
         let args: BinaryFwdArgs<T> = (a as *const T, b.dev_ptr(), out as *mut T, n);
@@ -461,8 +477,8 @@ pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> R
         BinaryOp::Mul | BinaryOp::Div => {}
     }
     let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
-    let kernel = op.kernel().bwd(a.dtype());
-    if let Some(cfg) = grid_halves(a, kernel)? {
+    let (k, dt) = (op.kernel(), a.dtype());
+    if let Some((kernel, cfg)) = plan(a, k.bwd(dt), k.bwd_small(dt))? {
         let n = a.numel() as u64;
         with_elem!(a.dtype(), |T| {
             let args: BinaryBwdArgs<T> =

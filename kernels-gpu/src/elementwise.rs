@@ -9,6 +9,15 @@
 //! flight without launching millions of blocks. The elements past the last whole vector are
 //! done one per thread. Pointers come from whole allocations, so 16-byte alignment holds.
 //!
+//! Small launches (where one 8-byte half vector a thread fits in one wave of resident blocks:
+//! 2^16 f32 elements, for instance) go to entries of their own, `<op>_<kind>_small_<dtype>`,
+//! for the unary and binary ops: no loop and no grid-size test, each thread one half vector
+//! (and one tail element), [`SMALL_BLOCK`] threads a block, a constant, so the kernel reads
+//! neither `%ntid` nor `%nctaid`. At that size a launch is the latency of one pass, not
+//! bandwidth: twice the threads of 16-byte vectors halve each thread's chain of math, and the
+//! work before the first load is the thread index alone (`benches/NOTES.md`, twentieth and
+//! twenty-first sessions).
+//!
 //! Column reductions (the bias gradient) are two-stage and deterministic: a 2-D grid of
 //! `32 x 8`-thread blocks, each summing a strip of rows for 32 adjacent columns into
 //! `partial[chunk, col]` in a fixed order, then `colsum_finish` adds the chunks in order.
@@ -16,6 +25,8 @@
 use crate::dtype::Elem;
 #[cfg(target_arch = "nvptx64")]
 use crate::dtype::for_lanes;
+#[cfg(target_arch = "nvptx64")]
+use crate::ops::FromOutput;
 #[cfg(target_arch = "nvptx64")]
 use crate::ops::{BinaryFn, UnaryFn, bwd_for, bwd_form_for, fwd_for, fwd_form_for};
 
@@ -65,94 +76,20 @@ pub const fn vec_width<T: Elem>() -> u64 {
 }
 
 /// Half vectors (8 bytes, `vec / 2` elements) of an `n`-element tensor whose 16-byte vectors hold
-/// `vec` elements: the threads of a small launch of the unary and binary kernels, one each (see
-/// `Width` in the device code). The elements past the last half vector are the tail.
+/// `vec` elements: the threads of a small launch, one each. The elements past the last half
+/// vector are the tail.
 pub const fn half_vectors(n: u64, vec: u64) -> u64 {
     n / (vec / 2)
 }
+
+/// Threads a block of the small-launch entries (`<op>_<kind>_small_<dtype>`): a constant of the
+/// kernels, which the host must launch them with.
+pub const SMALL_BLOCK: u32 = 128;
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
     use super::*;
     use crate::prim::*;
-
-    /// How much of a 16-byte vector one access of the unary and binary kernels moves.
-    ///
-    /// [`Whole`]: 16 bytes (`T::VEC` elements), the bandwidth-bound default. [`Half`]: 8 bytes,
-    /// for launches smaller than one wave of resident blocks, where a launch is the latency of
-    /// one pass rather than bandwidth: twice the threads, each with half the elements, so a
-    /// thread's chain of math is half as long and twice the warps share each SM's schedulers
-    /// (2^16 bf16 elements: 128 blocks of 128 threads instead of 128 of 64; the f32 GELU-tanh forward
-    /// on the H100 4.58 -> 4.32 us, tanh bf16 4.67 -> 4.48, timed in one process against
-    /// PyTorch's, benches/NOTES.md, twentieth session). The kernel takes `Half` when the grid
-    /// gives every half vector its own thread ([`half_launch`]); either width is correct with
-    /// any grid.
-    pub(crate) trait Width {
-        /// Accesses per 16-byte vector (1 or 2).
-        const PARTS: usize;
-        /// Loads one access at `p` (aligned to its size), unpacked into the first lanes.
-        unsafe fn load<T: Elem>(p: *const T, in_place: bool) -> [f32; 8];
-        /// Stores the first lanes of `v` as one access at `p`.
-        unsafe fn store<T: Elem>(p: *mut T, v: &[f32; 8]);
-        /// Calls `f(k)` for each lane of one access (`T::VEC / PARTS` of them).
-        #[inline(always)]
-        fn lanes<T: Elem>(mut f: impl FnMut(usize)) {
-            for_lanes::<T>(
-                #[inline(always)]
-                |k| {
-                    if k * Self::PARTS < T::VEC {
-                        f(k)
-                    }
-                },
-            )
-        }
-    }
-
-    /// 16 bytes an access.
-    pub(crate) struct Whole;
-    /// 8 bytes an access.
-    pub(crate) struct Half;
-
-    impl Width for Whole {
-        const PARTS: usize = 1;
-        #[inline(always)]
-        unsafe fn load<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
-            // SAFETY: the caller's contract.
-            unsafe { load(p, in_place) }
-        }
-        #[inline(always)]
-        unsafe fn store<T: Elem>(p: *mut T, v: &[f32; 8]) {
-            // SAFETY: the caller's contract.
-            unsafe { store(p, v) }
-        }
-    }
-
-    impl Width for Half {
-        const PARTS: usize = 2;
-        #[inline(always)]
-        unsafe fn load<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
-            // SAFETY: callers pass half a vector inside the tensor, 8-byte aligned (offsets are
-            // multiples of VEC / 2 from a 16-byte aligned allocation). In place, the coherent
-            // path, as `load`.
-            unsafe {
-                let r = if in_place { ld_global_v2(p as *const u32) } else { ld_global_nc_v2(p as *const u32) };
-                T::unpack([r[0], r[1], 0, 0])
-            }
-        }
-        #[inline(always)]
-        unsafe fn store<T: Elem>(p: *mut T, v: &[f32; 8]) {
-            let r = T::pack(v);
-            // SAFETY: as `load`.
-            unsafe { st_global_v2(p as *mut u32, [r[0], r[1]]) }
-        }
-    }
-
-    /// Whether this launch gives each half vector of an `n`-element tensor its own thread: the
-    /// host's small-launch grid ([`half_vectors`]), for which the kernels take [`Half`].
-    #[inline(always)]
-    fn half_launch<T: Elem>(n: u64) -> bool {
-        grid_threads_x() >= half_vectors(n, T::VEC as u64)
-    }
 
     /// Grid-stride loop over the whole 16-byte vectors of an `n`-element tensor, `unroll(T)`
     /// vectors per thread per round: `load(off)` for all of them first, then `finish(off, data)`
@@ -178,39 +115,10 @@ mod device {
         n: u64,
         rounds: usize,
         load: impl Fn(usize) -> L,
-        finish: impl FnMut(usize, L),
-        one: impl FnMut(usize),
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { grid_stride_w::<T, Whole, L>(n, rounds, load, finish, one) }
-    }
-
-    /// The unary and binary kernels' loop in either width: [`grid_stride`] with `rounds` for
-    /// [`Whole`], one round for [`Half`] (taken where [`half_launch`] holds: every half vector has
-    /// a thread, so each thread runs the loop once; the loop stays for any other grid).
-    #[inline(always)]
-    unsafe fn grid_stride_auto<T: Elem, L: Copy, W: Width>(
-        n: u64,
-        rounds: usize,
-        load: impl Fn(usize) -> L,
-        finish: impl FnMut(usize, L),
-        one: impl FnMut(usize),
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { grid_stride_w::<T, W, L>(n, if W::PARTS == 1 { rounds } else { 1 }, load, finish, one) }
-    }
-
-    /// [`grid_stride_by`] over accesses of width `W`: offsets are multiples of `T::VEC / W::PARTS`
-    /// elements; the tail is the elements past the last whole access.
-    #[inline(always)]
-    unsafe fn grid_stride_w<T: Elem, W: Width, L: Copy>(
-        n: u64,
-        rounds: usize,
-        load: impl Fn(usize) -> L,
         mut finish: impl FnMut(usize, L),
         mut one: impl FnMut(usize),
     ) {
-        let w = (T::VEC / W::PARTS) as u64;
+        let w = T::VEC as u64;
         let nv = n / w;
         let stride = grid_threads_x();
         let mut i = global_thread_x();
@@ -262,53 +170,41 @@ mod device {
         unsafe { st_global_v4(p as *mut u32, T::pack(v)) }
     }
 
-    // SAFETY (all four kernels below): the host passes tensors of `n` elements; `grid_stride_w`
-    // hands out offsets of whole accesses below `n` and tail indices below `n`. Each kernel is
-    // instantiated in both widths, chosen once per launch by `half_launch` (a uniform branch).
+    // SAFETY (all four kernels below): the host passes tensors of `n` elements; `grid_stride`
+    // hands out offsets of whole vectors below `n` and tail indices below `n`.
 
     /// One loop per form of the op (`UnaryFn::FORMS`): the launch's form is one uniform branch
     /// here, not one per element.
     pub unsafe fn unary_fwd<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        // SAFETY (all four): the caller's contract. An op of one form instantiates one loop a width.
-        match (O::FORMS == 1, half_launch::<T>(n)) {
-            (true, false) => unsafe { unary_fwd_in::<T, O, 0, Whole>(x, y, n, a, b) },
-            (true, true) => unsafe { unary_fwd_in::<T, O, 0, Half>(x, y, n, a, b) },
-            (false, false) => {
-                crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_in::<T, O, F, Whole>(x, y, n, a, b) })
-            }
-            (false, true) => {
-                crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_in::<T, O, F, Half>(x, y, n, a, b) })
-            }
+        // SAFETY (both): the caller's contract. An op of one form instantiates one loop.
+        if O::FORMS == 1 {
+            unsafe { unary_fwd_in::<T, O, 0>(x, y, n, a, b) }
+        } else {
+            crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_in::<T, O, F>(x, y, n, a, b) })
         }
     }
 
     #[inline(always)]
-    unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32, W: Width>(
-        x: *const T,
-        y: *mut T,
-        n: u64,
-        a: f32,
-        b: f32,
-    ) {
+    unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
         let rounds = match O::FWD_VECTORS_PER_ROUND {
             0 => unroll(T::DTYPE),
             r => r,
         };
         unsafe {
-            grid_stride_auto::<T, _, W>(
+            grid_stride_by::<T, _>(
                 n,
                 rounds,
                 #[inline(always)]
-                |o| W::load(x.add(o), in_place),
+                |o| load(x.add(o), in_place),
                 #[inline(always)]
                 |o, mut v| {
-                    W::lanes::<T>(
+                    for_lanes::<T>(
                         #[inline(always)]
                         |k| v[k] = fwd_form_for::<O, T, F>(v[k], a, b),
                     );
-                    W::store(y.add(o), &v);
+                    store(y.add(o), &v);
                 },
                 #[inline(always)]
                 |i| *y.add(i) = T::from_f32(fwd_form_for::<O, T, F>((*x.add(i)).to_f32(), a, b)),
@@ -318,21 +214,16 @@ mod device {
 
     pub unsafe fn unary_bwd<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        // SAFETY (all four): the caller's contract.
-        match (O::FORMS == 1, half_launch::<T>(n)) {
-            (true, false) => unsafe { unary_bwd_in::<T, O, 0, Whole>(x, g, gx, n, a, b) },
-            (true, true) => unsafe { unary_bwd_in::<T, O, 0, Half>(x, g, gx, n, a, b) },
-            (false, false) => {
-                crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_in::<T, O, F, Whole>(x, g, gx, n, a, b) })
-            }
-            (false, true) => {
-                crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_in::<T, O, F, Half>(x, g, gx, n, a, b) })
-            }
+        // SAFETY (both): the caller's contract.
+        if O::FORMS == 1 {
+            unsafe { unary_bwd_in::<T, O, 0>(x, g, gx, n, a, b) }
+        } else {
+            crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_in::<T, O, F>(x, g, gx, n, a, b) })
         }
     }
 
     #[inline(always)]
-    unsafe fn unary_bwd_in<T: Elem, O: UnaryFn, const F: u32, W: Width>(
+    unsafe fn unary_bwd_in<T: Elem, O: UnaryFn, const F: u32>(
         x: *const T,
         g: *const T,
         gx: *mut T,
@@ -342,18 +233,17 @@ mod device {
     ) {
         let in_place = g as u64 == gx as u64;
         unsafe {
-            grid_stride_auto::<T, _, W>(
+            grid_stride::<T, _>(
                 n,
-                unroll(T::DTYPE),
                 #[inline(always)]
-                |o| (W::load(x.add(o), false), W::load(g.add(o), in_place)),
+                |o| (load(x.add(o), false), load(g.add(o), in_place)),
                 #[inline(always)]
                 |o, (vx, mut vg)| {
-                    W::lanes::<T>(
+                    for_lanes::<T>(
                         #[inline(always)]
                         |k| vg[k] = bwd_form_for::<O, T, F>(vx[k], vg[k], a, b),
                     );
-                    W::store(gx.add(o), &vg);
+                    store(gx.add(o), &vg);
                 },
                 #[inline(always)]
                 |i| *gx.add(i) = T::from_f32(bwd_form_for::<O, T, F>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
@@ -362,30 +252,19 @@ mod device {
     }
 
     pub unsafe fn binary_fwd<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, n: u64) {
-        // SAFETY (both): the caller's contract.
-        if half_launch::<T>(n) {
-            unsafe { binary_fwd_in::<T, O, Half>(x, y, out, n) }
-        } else {
-            unsafe { binary_fwd_in::<T, O, Whole>(x, y, out, n) }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn binary_fwd_in<T: Elem, O: BinaryFn, W: Width>(x: *const T, y: *const T, out: *mut T, n: u64) {
         let in_place = x as u64 == out as u64 || y as u64 == out as u64;
         unsafe {
-            grid_stride_auto::<T, _, W>(
+            grid_stride::<T, _>(
                 n,
-                unroll(T::DTYPE),
                 #[inline(always)]
-                |o| (W::load(x.add(o), in_place), W::load(y.add(o), in_place)),
+                |o| (load(x.add(o), in_place), load(y.add(o), in_place)),
                 #[inline(always)]
                 |o, (mut vx, vy)| {
-                    W::lanes::<T>(
+                    for_lanes::<T>(
                         #[inline(always)]
                         |k| vx[k] = O::fwd(vx[k], vy[k]),
                     );
-                    W::store(out.add(o), &vx);
+                    store(out.add(o), &vx);
                 },
                 #[inline(always)]
                 |i| *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())),
@@ -401,16 +280,188 @@ mod device {
         gy: *mut T,
         n: u64,
     ) {
+        unsafe {
+            grid_stride::<T, _>(
+                n,
+                #[inline(always)]
+                |o| (load(x.add(o), false), load(y.add(o), false), load(g.add(o), false)),
+                #[inline(always)]
+                |o, (vx, vy, vg)| {
+                    let (mut rx, mut ry) = ([0.0; 8], [0.0; 8]);
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| (rx[k], ry[k]) = O::bwd(vx[k], vy[k], vg[k]),
+                    );
+                    store(gx.add(o), &rx);
+                    store(gy.add(o), &ry);
+                },
+                #[inline(always)]
+                |i| {
+                    let (a, b) = O::bwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32(), (*g.add(i)).to_f32());
+                    *gx.add(i) = T::from_f32(a);
+                    *gy.add(i) = T::from_f32(b);
+                },
+            )
+        }
+    }
+
+    // --- small launches -------------------------------------------------------------------------
+
+    /// Loads half a vector (8 bytes, `T::VEC / 2` elements) at `p`, unpacked into the first lanes;
+    /// in place through the coherent path, as `load`.
+    ///
+    /// # Safety
+    /// `p` points at a half vector inside the tensor, 8-byte aligned (offsets are multiples of
+    /// `T::VEC / 2` from a 16-byte aligned allocation).
+    #[inline(always)]
+    unsafe fn load_half<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let r = if in_place { ld_global_v2(p as *const u32) } else { ld_global_nc_v2(p as *const u32) };
+            T::unpack([r[0], r[1], 0, 0])
+        }
+    }
+
+    /// Stores the first `T::VEC / 2` lanes of `v` as half a vector at `p`.
+    ///
+    /// # Safety
+    /// As [`load_half`].
+    #[inline(always)]
+    unsafe fn store_half<T: Elem>(p: *mut T, v: &[f32; 8]) {
+        let r = T::pack(v);
+        // SAFETY: the caller's contract.
+        unsafe { st_global_v2(p as *mut u32, [r[0], r[1]]) }
+    }
+
+    /// Calls `f(k)` for each lane of half a vector.
+    #[inline(always)]
+    fn half_lanes<T: Elem>(mut f: impl FnMut(usize)) {
+        for_lanes::<T>(
+            #[inline(always)]
+            |k| {
+                if 2 * k < T::VEC {
+                    f(k)
+                }
+            },
+        )
+    }
+
+    /// A small launch of [`SMALL_BLOCK`]-thread blocks: thread `i` takes the half vector at element
+    /// `i * VEC / 2` (`half(offset)`) if there is one, and tail element `i` past the last half
+    /// vector (`one(index)`) if there is one. The host gives every half vector and every tail
+    /// element a thread (`launch::elementwise_small`).
+    #[inline(always)]
+    unsafe fn small<T: Elem>(n: u64, half: impl FnOnce(usize), one: impl FnOnce(usize)) {
+        let i = (block_idx_x() * SMALL_BLOCK + thread_idx_x()) as u64;
+        let h = (T::VEC / 2) as u64;
+        let nh = half_vectors(n, T::VEC as u64);
+        if i < nh {
+            half((i * h) as usize);
+        }
+        let t = nh * h + i;
+        if t < n {
+            one(t as usize);
+        }
+    }
+
+    // SAFETY (the small kernels below): the host passes tensors of `n` elements and a grid of
+    // `SMALL_BLOCK`-thread blocks; `small` hands out offsets of whole half vectors below `n` and
+    // tail indices below `n`.
+
+    /// [`unary_fwd`] for a small launch.
+    pub unsafe fn unary_fwd_small<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
+        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
         // SAFETY (both): the caller's contract.
-        if half_launch::<T>(n) {
-            unsafe { binary_bwd_in::<T, O, Half>(x, y, g, gx, gy, n) }
+        if O::FORMS == 1 {
+            unsafe { unary_fwd_small_in::<T, O, 0>(x, y, n, a, b) }
         } else {
-            unsafe { binary_bwd_in::<T, O, Whole>(x, y, g, gx, gy, n) }
+            crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_small_in::<T, O, F>(x, y, n, a, b) })
         }
     }
 
     #[inline(always)]
-    unsafe fn binary_bwd_in<T: Elem, O: BinaryFn, W: Width>(
+    unsafe fn unary_fwd_small_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
+        let in_place = x as u64 == y as u64;
+        unsafe {
+            small::<T>(
+                n,
+                #[inline(always)]
+                |o| {
+                    let mut v = load_half(x.add(o), in_place);
+                    half_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = fwd_form_for::<O, T, F>(v[k], a, b),
+                    );
+                    store_half(y.add(o), &v);
+                },
+                #[inline(always)]
+                |i| *y.add(i) = T::from_f32(fwd_form_for::<O, T, F>((*x.add(i)).to_f32(), a, b)),
+            )
+        }
+    }
+
+    /// [`unary_bwd`] for a small launch.
+    pub unsafe fn unary_bwd_small<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
+        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
+        // SAFETY (both): the caller's contract.
+        if O::FORMS == 1 {
+            unsafe { unary_bwd_small_in::<T, O, 0>(x, g, gx, n, a, b) }
+        } else {
+            crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_small_in::<T, O, F>(x, g, gx, n, a, b) })
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn unary_bwd_small_in<T: Elem, O: UnaryFn, const F: u32>(
+        x: *const T,
+        g: *const T,
+        gx: *mut T,
+        n: u64,
+        a: f32,
+        b: f32,
+    ) {
+        let in_place = g as u64 == gx as u64;
+        unsafe {
+            small::<T>(
+                n,
+                #[inline(always)]
+                |o| {
+                    let (vx, mut vg) = (load_half(x.add(o), false), load_half(g.add(o), in_place));
+                    half_lanes::<T>(
+                        #[inline(always)]
+                        |k| vg[k] = bwd_form_for::<O, T, F>(vx[k], vg[k], a, b),
+                    );
+                    store_half(gx.add(o), &vg);
+                },
+                #[inline(always)]
+                |i| *gx.add(i) = T::from_f32(bwd_form_for::<O, T, F>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
+            )
+        }
+    }
+
+    /// [`binary_fwd`] for a small launch.
+    pub unsafe fn binary_fwd_small<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, n: u64) {
+        let in_place = x as u64 == out as u64 || y as u64 == out as u64;
+        unsafe {
+            small::<T>(
+                n,
+                #[inline(always)]
+                |o| {
+                    let (mut vx, vy) = (load_half(x.add(o), in_place), load_half(y.add(o), in_place));
+                    half_lanes::<T>(
+                        #[inline(always)]
+                        |k| vx[k] = O::fwd(vx[k], vy[k]),
+                    );
+                    store_half(out.add(o), &vx);
+                },
+                #[inline(always)]
+                |i| *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())),
+            )
+        }
+    }
+
+    /// [`binary_bwd`] for a small launch.
+    pub unsafe fn binary_bwd_small<T: Elem, O: BinaryFn>(
         x: *const T,
         y: *const T,
         g: *const T,
@@ -419,20 +470,19 @@ mod device {
         n: u64,
     ) {
         unsafe {
-            grid_stride_auto::<T, _, W>(
+            small::<T>(
                 n,
-                unroll(T::DTYPE),
                 #[inline(always)]
-                |o| (W::load(x.add(o), false), W::load(y.add(o), false), W::load(g.add(o), false)),
-                #[inline(always)]
-                |o, (vx, vy, vg)| {
+                |o| {
+                    let (vx, vy, vg) =
+                        (load_half(x.add(o), false), load_half(y.add(o), false), load_half(g.add(o), false));
                     let (mut rx, mut ry) = ([0.0; 8], [0.0; 8]);
-                    W::lanes::<T>(
+                    half_lanes::<T>(
                         #[inline(always)]
                         |k| (rx[k], ry[k]) = O::bwd(vx[k], vy[k], vg[k]),
                     );
-                    W::store(gx.add(o), &rx);
-                    W::store(gy.add(o), &ry);
+                    store_half(gx.add(o), &rx);
+                    store_half(gy.add(o), &ry);
                 },
                 #[inline(always)]
                 |i| {
@@ -729,6 +779,10 @@ macro_rules! unary_kernels {
                 unary_fwd::<$T, crate::ops::$O>(x, y, n, a, b));
             $crate::kernel!([<$op _bwd_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
                 unary_bwd::<$T, crate::ops::$O>(x, g, gx, n, a, b));
+            $crate::kernel!([<$op _fwd_small_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
+                unary_fwd_small::<$T, crate::ops::$O>(x, y, n, a, b));
+            $crate::kernel!([<$op _bwd_small_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
+                unary_bwd_small::<$T, crate::ops::$O>(x, g, gx, n, a, b));
         }
     };
 }
@@ -739,7 +793,9 @@ macro_rules! output_grad_kernels {
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
         paste::paste! {
             $crate::kernel!([<$op _bwd_y_ $sfx>]: UnaryBwdArgs<$T> = |y, g, gx, n, a, b|
-                unary_bwd::<$T, crate::ops::FromOutput<crate::ops::$O>>(y, g, gx, n, a, b));
+                unary_bwd::<$T, FromOutput<crate::ops::$O>>(y, g, gx, n, a, b));
+            $crate::kernel!([<$op _bwd_y_small_ $sfx>]: UnaryBwdArgs<$T> = |y, g, gx, n, a, b|
+                unary_bwd_small::<$T, FromOutput<crate::ops::$O>>(y, g, gx, n, a, b));
         }
     };
 }
@@ -753,6 +809,10 @@ macro_rules! binary_kernels {
                 binary_fwd::<$T, crate::ops::$O>(x, y, out, n));
             $crate::kernel!([<$op _bwd_ $sfx>]: BinaryBwdArgs<$T> = |x, y, g, gx, gy, n|
                 binary_bwd::<$T, crate::ops::$O>(x, y, g, gx, gy, n));
+            $crate::kernel!([<$op _fwd_small_ $sfx>]: BinaryFwdArgs<$T> = |x, y, out, n|
+                binary_fwd_small::<$T, crate::ops::$O>(x, y, out, n));
+            $crate::kernel!([<$op _bwd_small_ $sfx>]: BinaryBwdArgs<$T> = |x, y, g, gx, gy, n|
+                binary_bwd_small::<$T, crate::ops::$O>(x, y, g, gx, gy, n));
             $crate::kernel!([<$op _row_fwd_ $sfx>]: RowFwdArgs<$T> = |x, p0, p1, y, n, cols, a, b|
                 row_fwd::<$T, BiasBinary<crate::ops::$O>>(x, p0, p1, y, n, cols, a, b));
             $crate::kernel!([<$op _row_bwd_ $sfx>]: RowBwdArgs<$T> =

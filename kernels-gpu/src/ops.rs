@@ -737,8 +737,9 @@ macro_rules! op_enum {
 
 macro_rules! unary_enum {
     ($($t:tt)*) => { op_enum!(
-        /// Every unary op (math and activations), as the kernels know it (parameters apart).
-        Unary, "", [fwd bwd]; [$($t)*]); };
+        /// Every unary op (math and activations), as the kernels know it (parameters apart); the
+        /// `_small` kernels are for small launches (see `elementwise`).
+        Unary, "", [fwd bwd fwd_small bwd_small]; [$($t)*]); };
 }
 unary_list!(unary_enum);
 
@@ -751,14 +752,16 @@ activation_list!(activation_enum);
 
 macro_rules! binary_enum {
     ($($t:tt)*) => { op_enum!(
-        /// The binary ops, on two tensors (`fwd`, `bwd`) or against a row (`row_fwd`, `row_bwd`).
-        Binary, "", [fwd bwd row_fwd row_bwd]; [$($t)*]); };
+        /// The binary ops, on two tensors (`fwd`, `bwd`, and `fwd_small`, `bwd_small` for small
+        /// launches) or against a row (`row_fwd`, `row_bwd`).
+        Binary, "", [fwd bwd row_fwd row_bwd fwd_small bwd_small]; [$($t)*]); };
 }
 binary_list!(binary_enum);
 
 macro_rules! output_grad_enum {
     ($($t:tt)*) => { op_enum!(
-        /// The ops with a backward from their output (`<op>_bwd_y_<dtype>`, [`OutputGradFn`]).
-        OutputGrad, "", [bwd_y]; [$($t)*]); };
+        /// The ops with a backward from their output (`<op>_bwd_y_<dtype>`, [`OutputGradFn`];
+        /// `bwd_y_small` for small launches).
+        OutputGrad, "", [bwd_y bwd_y_small]; [$($t)*]); };
 }
 output_grad_list!(output_grad_enum);
