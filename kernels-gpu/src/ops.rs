@@ -582,7 +582,7 @@ pub trait OutputGradFn: UnaryFn {
 
 /// `O`'s backward from its output, as a [`UnaryFn`] for the unary backward kernel: the kernel's
 /// first input is `y` where `O`'s is `x`. Its forward is `O`'s (no kernel launches it: only the
-/// backward kernels `<op>_bwd_y_<dtype>` exist).
+/// backward kernels `<op>_bwd_y_<dtype>` and their `_small` entries exist).
 pub struct FromOutput<O>(core::marker::PhantomData<O>);
 impl<O: OutputGradFn> UnaryFn for FromOutput<O> {
     #[inline(always)]
