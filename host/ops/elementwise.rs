@@ -120,7 +120,8 @@ pub enum UnaryOp {
     SubScalar(f32),
     /// `x * s`.
     MulScalar(f32),
-    /// `x / s`.
+    /// `x / s`, computed as PyTorch computes a division by a scalar: `x * (1 / s)`, the
+    /// reciprocal rounded once (so within two roundings of the quotient, and PyTorch's bits).
     DivScalar(f32),
     /// An activation.
     Act(Activation),
@@ -155,7 +156,8 @@ impl UnaryOp {
             UnaryOp::AddScalar(s) => (Unary::AddScalar, s, 0.0),
             UnaryOp::SubScalar(s) => (Unary::SubScalar, s, 0.0),
             UnaryOp::MulScalar(s) => (Unary::MulScalar, s, 0.0),
-            UnaryOp::DivScalar(s) => (Unary::DivScalar, s, 0.0),
+            // The reciprocal, rounded once here, as PyTorch computes a division by a scalar.
+            UnaryOp::DivScalar(s) => (Unary::DivScalar, s, 1.0 / s),
             UnaryOp::Act(a) => {
                 let (k, a, b) = a.kernel();
                 (act_as_unary(k), a, b)

@@ -368,75 +368,89 @@ mod device {
     // `SMALL_BLOCK`-thread blocks; `small` hands out offsets of whole half vectors below `n` and
     // tail indices below `n`.
 
-    /// [`unary_fwd`] for a small launch.
+    /// [`unary_fwd`] for a small launch. The load comes first and the op's form
+    /// (`UnaryFn::FORMS`: pow's exponent) after it, so that the branch on the form runs while the
+    /// load is in flight (the grid-stride kernels choose it once, before their loop).
     pub unsafe fn unary_fwd_small<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        // SAFETY (both): the caller's contract.
-        if O::FORMS == 1 {
-            unsafe { unary_fwd_small_in::<T, O, 0>(x, y, n, a, b) }
-        } else {
-            crate::by_form!(O::fwd_form(a, b), F => unsafe { unary_fwd_small_in::<T, O, F>(x, y, n, a, b) })
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn unary_fwd_small_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
         unsafe {
             small::<T>(
                 n,
                 #[inline(always)]
                 |o| {
-                    let mut v = load_half(x.add(o), in_place);
-                    half_lanes::<T>(
-                        #[inline(always)]
-                        |k| v[k] = fwd_form_for::<O, T, F>(v[k], a, b),
-                    );
-                    store_half(y.add(o), &v);
+                    let v = load_half(x.add(o), in_place);
+                    if O::FORMS == 1 {
+                        fwd_half::<T, O, 0>(v, y.add(o), a, b)
+                    } else {
+                        crate::by_form!(O::fwd_form(a, b), F => fwd_half::<T, O, F>(v, y.add(o), a, b))
+                    }
                 },
                 #[inline(always)]
-                |i| *y.add(i) = T::from_f32(fwd_form_for::<O, T, F>((*x.add(i)).to_f32(), a, b)),
+                |i| {
+                    let v = (*x.add(i)).to_f32();
+                    let r = if O::FORMS == 1 {
+                        fwd_form_for::<O, T, 0>(v, a, b)
+                    } else {
+                        crate::by_form!(O::fwd_form(a, b), F => fwd_form_for::<O, T, F>(v, a, b))
+                    };
+                    *y.add(i) = T::from_f32(r);
+                },
             )
         }
     }
 
-    /// [`unary_bwd`] for a small launch.
-    pub unsafe fn unary_bwd_small<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
-        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        // SAFETY (both): the caller's contract.
-        if O::FORMS == 1 {
-            unsafe { unary_bwd_small_in::<T, O, 0>(x, g, gx, n, a, b) }
-        } else {
-            crate::by_form!(O::bwd_form(a, b), F => unsafe { unary_bwd_small_in::<T, O, F>(x, g, gx, n, a, b) })
-        }
+    /// `O` in form `F` on the lanes of half a vector, stored at `p` (as [`store_half`]).
+    #[inline(always)]
+    unsafe fn fwd_half<T: Elem, O: UnaryFn, const F: u32>(mut v: [f32; 8], p: *mut T, a: f32, b: f32) {
+        half_lanes::<T>(
+            #[inline(always)]
+            |k| v[k] = fwd_form_for::<O, T, F>(v[k], a, b),
+        );
+        // SAFETY: the caller's contract.
+        unsafe { store_half(p, &v) }
     }
 
-    #[inline(always)]
-    unsafe fn unary_bwd_small_in<T: Elem, O: UnaryFn, const F: u32>(
-        x: *const T,
-        g: *const T,
-        gx: *mut T,
-        n: u64,
-        a: f32,
-        b: f32,
-    ) {
+    /// [`unary_bwd`] for a small launch; loads, then the form, as [`unary_fwd_small`].
+    pub unsafe fn unary_bwd_small<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
+        const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
         let in_place = g as u64 == gx as u64;
         unsafe {
             small::<T>(
                 n,
                 #[inline(always)]
                 |o| {
-                    let (vx, mut vg) = (load_half(x.add(o), false), load_half(g.add(o), in_place));
-                    half_lanes::<T>(
-                        #[inline(always)]
-                        |k| vg[k] = bwd_form_for::<O, T, F>(vx[k], vg[k], a, b),
-                    );
-                    store_half(gx.add(o), &vg);
+                    let (vx, vg) = (load_half(x.add(o), false), load_half(g.add(o), in_place));
+                    if O::FORMS == 1 {
+                        bwd_half::<T, O, 0>(vx, vg, gx.add(o), a, b)
+                    } else {
+                        crate::by_form!(O::bwd_form(a, b), F => bwd_half::<T, O, F>(vx, vg, gx.add(o), a, b))
+                    }
                 },
                 #[inline(always)]
-                |i| *gx.add(i) = T::from_f32(bwd_form_for::<O, T, F>((*x.add(i)).to_f32(), (*g.add(i)).to_f32(), a, b)),
+                |i| {
+                    let (v, w) = ((*x.add(i)).to_f32(), (*g.add(i)).to_f32());
+                    let r = if O::FORMS == 1 {
+                        bwd_form_for::<O, T, 0>(v, w, a, b)
+                    } else {
+                        crate::by_form!(O::bwd_form(a, b), F => bwd_form_for::<O, T, F>(v, w, a, b))
+                    };
+                    *gx.add(i) = T::from_f32(r);
+                },
             )
         }
+    }
+
+    /// `O`'s backward in form `F` on the lanes of half a vector (`vx`, incoming `vg`), stored at
+    /// `p` (as [`store_half`]).
+    #[inline(always)]
+    unsafe fn bwd_half<T: Elem, O: UnaryFn, const F: u32>(vx: [f32; 8], mut vg: [f32; 8], p: *mut T, a: f32, b: f32) {
+        half_lanes::<T>(
+            #[inline(always)]
+            |k| vg[k] = bwd_form_for::<O, T, F>(vx[k], vg[k], a, b),
+        );
+        // SAFETY: the caller's contract.
+        unsafe { store_half(p, &vg) }
     }
 
     /// [`binary_fwd`] for a small launch.

@@ -182,7 +182,9 @@ pub fn unary_fwd_tol(op: UnaryOp, x: f64) -> Tol {
         // One correctly rounded operation (or none).
         UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sqrt => (0.0, 0.0),
         UnaryOp::Clamp { .. } | UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) => (0.0, 0.0),
-        UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) => (0.0, 0.0),
+        UnaryOp::MulScalar(_) => (0.0, 0.0),
+        // Two correctly rounded operations: 1 / s (on the host), then x times it.
+        UnaryOp::DivScalar(_) => (U, 0.0),
         // Two correctly rounded operations (1/sqrt).
         UnaryOp::Rsqrt => (U, 0.0),
         // The math library's bound, <= 2 ulp (measured; see README), with margin.
@@ -223,7 +225,9 @@ pub fn unary_bwd_tol(op: UnaryOp, x: f64, g: f64) -> Tol {
     let (ax, ag) = (x.abs(), g.abs());
     let (rtol, atol) = match op {
         UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Clamp { .. } => (0.0, 0.0),
-        UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) => (0.0, 0.0),
+        UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::MulScalar(_) => (0.0, 0.0),
+        // g times the reciprocal, as the forward.
+        UnaryOp::DivScalar(_) => (U, 0.0),
         UnaryOp::Log => (0.0, 0.0),
         UnaryOp::Sqrt => (U, 0.0),
         UnaryOp::Rsqrt => (6.0 * U, 0.0),
@@ -282,6 +286,7 @@ pub fn unary_bwd_y_tol(op: UnaryOp, y: f64, g: f64) -> Tol {
     match op {
         UnaryOp::Rsqrt | UnaryOp::Act(Activation::Sigmoid) => Tol { rtol: 2.0 * U, atol: 0.0 },
         UnaryOp::Act(Activation::Tanh) => Tol { rtol: 2.0 * U, atol: g.abs() * y * y * U },
+        UnaryOp::DivScalar(_) => Tol { rtol: U, atol: 0.0 },
         _ => Tol { rtol: 0.0, atol: 0.0 },
     }
 }
