@@ -267,8 +267,39 @@ mod device {
                     store(out.add(o), &vx);
                 },
                 #[inline(always)]
-                |i| *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())),
+                |i| binary_fwd_one::<T, O>(x, y, out, i),
             )
+        }
+    }
+
+    /// Element `i` of [`binary_fwd`] (a tail element, in the grid-stride and the small kernels).
+    ///
+    /// # Safety
+    /// `i` is below the tensors' length.
+    #[inline(always)]
+    unsafe fn binary_fwd_one<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, i: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())) }
+    }
+
+    /// Element `i` of [`binary_bwd`], as [`binary_fwd_one`].
+    ///
+    /// # Safety
+    /// `i` is below the tensors' length.
+    #[inline(always)]
+    unsafe fn binary_bwd_one<T: Elem, O: BinaryFn>(
+        x: *const T,
+        y: *const T,
+        g: *const T,
+        gx: *mut T,
+        gy: *mut T,
+        i: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let (a, b) = O::bwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32(), (*g.add(i)).to_f32());
+            *gx.add(i) = T::from_f32(a);
+            *gy.add(i) = T::from_f32(b);
         }
     }
 
@@ -296,11 +327,7 @@ mod device {
                     store(gy.add(o), &ry);
                 },
                 #[inline(always)]
-                |i| {
-                    let (a, b) = O::bwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32(), (*g.add(i)).to_f32());
-                    *gx.add(i) = T::from_f32(a);
-                    *gy.add(i) = T::from_f32(b);
-                },
+                |i| binary_bwd_one::<T, O>(x, y, g, gx, gy, i),
             )
         }
     }
@@ -469,7 +496,7 @@ mod device {
                     store_half(out.add(o), &vx);
                 },
                 #[inline(always)]
-                |i| *out.add(i) = T::from_f32(O::fwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32())),
+                |i| binary_fwd_one::<T, O>(x, y, out, i),
             )
         }
     }
@@ -499,11 +526,7 @@ mod device {
                     store_half(gy.add(o), &ry);
                 },
                 #[inline(always)]
-                |i| {
-                    let (a, b) = O::bwd((*x.add(i)).to_f32(), (*y.add(i)).to_f32(), (*g.add(i)).to_f32());
-                    *gx.add(i) = T::from_f32(a);
-                    *gy.add(i) = T::from_f32(b);
-                },
+                |i| binary_bwd_one::<T, O>(x, y, g, gx, gy, i),
             )
         }
     }
