@@ -11,7 +11,7 @@ use kernels_gpu::elementwise::{
 use kernels_gpu::init::{FillArgs, RandomArgs, fill_kernel, normal_kernel, uniform_kernel};
 use kernels_gpu::kernel::Params;
 use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
-use kernels_gpu::ops::{Activation, Binary, OutputGrad, Unary};
+use kernels_gpu::ops::{Activation, Binary, OutputGrad, PowForm, Unary};
 use kernels_gpu::{BF16, F16};
 use std::collections::BTreeMap;
 
@@ -96,6 +96,10 @@ fn host_kernels() -> BTreeMap<String, usize> {
         for a in Activation::ALL {
             put(a.fwd(dt), r_f);
             put(a.bwd(dt), r_b);
+        }
+        for f in PowForm::ALL {
+            put(f.fwd_small(dt), u_f);
+            put(f.bwd_small(dt), u_b);
         }
         for o in OutputGrad::ALL {
             put(o.bwd_y(dt), u_b);

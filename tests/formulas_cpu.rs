@@ -9,6 +9,7 @@ use common::reference as r;
 use common::*;
 use kernels::DType;
 use kernels::ops::BinaryOp;
+use kernels_gpu::ops::{PowForm, Unary};
 
 const N: usize = 200_000;
 
@@ -58,6 +59,37 @@ fn output_grad_formulas_match_the_f64_references() {
         let got: Vec<f32> = (0..N).map(|i| bwd_y_f32(op, kernel, ys[i], gs[i])).collect();
         check_bwd_y(op, kernel, DType::F32, &xs, &ys, &gs, &got).unwrap();
     }
+}
+
+/// pow's per-form small entries (`ops::PowForm`) must give the all-forms kernel's bits, for the
+/// exponents the host sends to them (the forward's `p`, the backward's `p - 1`) and only those.
+#[test]
+fn pow_form_entries_compute_pows_bits() {
+    let mut rng = TestRng::new(0x9e3779b9);
+    let xs = draw(&mut rng, N, DType::F32, Draw::NORMAL);
+    let gs = draw(&mut rng, N, DType::F32, Draw { scale: 1.0, positive: false, special: 0.02 });
+    let pow = Unary::Pow;
+    let with_entry = [2.0, 3.0, 1.0, -1.0];
+    for p in [2.0, 3.0, 1.0, -1.0, 4.0, 0.0, 0.5, 2.5, -2.0, -3.0, f32::INFINITY, f32::NAN] {
+        assert_eq!(PowForm::of(p).is_some(), with_entry.contains(&p), "PowForm::of({p})");
+        if let Some(f) = PowForm::of(p) {
+            for &x in &xs {
+                let (got, want) = (f.fwd_f32(x, p, 0.0), pow.fwd_f32(x, p, 0.0));
+                assert!(same_bits(got, want), "{f:?} forward at x = {x:e}, p = {p}: {got:e}, pow {want:e}");
+            }
+        }
+        if let Some(f) = PowForm::of(p - 1.0) {
+            for (&x, &g) in xs.iter().zip(&gs) {
+                let (got, want) = (f.bwd_f32(x, g, p, 0.0), pow.bwd_f32(x, g, p, 0.0));
+                assert!(same_bits(got, want), "{f:?} backward at x = {x:e}, g = {g:e}, p = {p}: {got:e}, pow {want:e}");
+            }
+        }
+    }
+}
+
+/// Equal bits, any NaN equal to any NaN.
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
 }
 
 #[test]

@@ -12,7 +12,7 @@ use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
 };
-use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, Unary};
+use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, PowForm, Unary};
 use kernels_gpu::{DType, Elem};
 
 /// An activation, usable alone ([`unary`]) or fused ([`scale_bias_act`]). Matches PyTorch's
@@ -234,6 +234,24 @@ fn plan<'k>(x: &Tensor, big: &'k str, small: &'k str) -> Result<Option<(&'k str,
 
 // --- unary --------------------------------------------------------------------------------------
 
+/// The forward's grid-stride and small-launch kernels ([`plan`]) of the kernel-side op `k` with
+/// first parameter `a`: pow's forms by multiplication or division have small entries of their
+/// own ([`PowForm`], chosen here from the exponent), the other ops one each.
+fn unary_fwd_kernels(k: Unary, a: f32, dt: DType) -> (&'static str, &'static str) {
+    match PowForm::of(a) {
+        Some(f) if k == Unary::Pow => (k.fwd(dt), f.fwd_small(dt)),
+        _ => (k.fwd(dt), k.fwd_small(dt)),
+    }
+}
+
+/// [`unary_fwd_kernels`] for the backward: pow's form there is that of `a - 1`.
+fn unary_bwd_kernels(k: Unary, a: f32, dt: DType) -> (&'static str, &'static str) {
+    match PowForm::of(a - 1.0) {
+        Some(f) if k == Unary::Pow => (k.bwd(dt), f.bwd_small(dt)),
+        _ => (k.bwd(dt), k.bwd_small(dt)),
+    }
+}
+
 /// `op(x)`, element-wise.
 pub fn unary(x: &Tensor, op: impl Into<UnaryOp>) -> Result<Tensor> {
     let mut out = x.alloc_like("unary")?;
@@ -250,7 +268,8 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     check_same_dtype(name, x, out)?;
     check_same_shape(name, x, out, "output")?;
     let (k, a, b) = op.kernel();
-    let Some((kernel, cfg)) = plan(x, k.fwd(x.dtype()), k.fwd_small(x.dtype()))? else { return Ok(()) };
+    let (big, small) = unary_fwd_kernels(k, a, x.dtype());
+    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
@@ -264,7 +283,8 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     let op = op.into();
     op.validate("unary_")?;
     let (k, a, b) = op.kernel();
-    let Some((kernel, cfg)) = plan(x, k.fwd(x.dtype()), k.fwd_small(x.dtype()))? else { return Ok(()) };
+    let (big, small) = unary_fwd_kernels(k, a, x.dtype());
+    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let p = x.dev_ptr_mut::<T>()?;
@@ -305,7 +325,7 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
-    launch_unary_bwd((k.bwd(x.dtype()), k.bwd_small(x.dtype())), x, grad, gx, a, b)
+    launch_unary_bwd(unary_bwd_kernels(k, a, x.dtype()), x, grad, gx, a, b)
 }
 
 /// Launches a unary backward kernel (`UnaryBwdArgs`; grid-stride and small-launch entries, as
@@ -414,7 +434,7 @@ pub fn unary_backward_from_output_out(
         FromOutput::Kernel(k) => ((k.bwd_y(dt), k.bwd_y_small(dt)), 0.0, 0.0),
         FromOutput::Passes | FromOutput::SameKernel => {
             let (k, a, b) = op.kernel();
-            ((k.bwd(dt), k.bwd_small(dt)), a, b)
+            (unary_bwd_kernels(k, a, dt), a, b)
         }
     };
     check_unary_backward(name, y, grad, op)?;

@@ -838,6 +838,20 @@ macro_rules! output_grad_kernels {
 }
 crate::output_grad_list!(output_grad_kernels);
 
+// pow's forms by multiplication or division: small-launch entries of their own (`ops::PowIn`).
+macro_rules! pow_form_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(pow_form_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_small_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
+                unary_fwd_small::<$T, crate::ops::$O>(x, y, n, a, b));
+            $crate::kernel!([<$op _bwd_small_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
+                unary_bwd_small::<$T, crate::ops::$O>(x, g, gx, n, a, b));
+        }
+    };
+}
+crate::pow_form_list!(pow_form_kernels);
+
 macro_rules! binary_kernels {
     ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(binary_kernels, $op, $O); )* };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {

@@ -404,12 +404,15 @@ pub fn unary_ops() -> Vec<(UnaryOp, Draw)> {
         (UnaryOp::Pow(-1.5), Draw::POSITIVE),
         (UnaryOp::Pow(0.0), Draw::NORMAL),
         // Every form of the pow kernel (`ops::Pow`): 3, 2, 1 and -1 by multiplication or
-        // division, 0.5, -1.5, 2.5 and -3 by the general path (negative bases: NaN, or the sign
-        // of an odd power), 0, +inf and NaN by the full pow. The backward takes the form of p - 1.
+        // division, 0.5, -1.5, 2.5, -3 and 4 by the general path (negative bases: NaN, or the
+        // sign of an odd power), 0, +inf and NaN by the full pow. The backward takes the form of
+        // p - 1 (4's is the cube). The small launches of 3, 2, 1 and -1, and the backwards of 4,
+        // 3, 2 and 0, run on their form's own entries (`ops::PowForm`).
         (UnaryOp::Pow(1.0), Draw::NORMAL),
         (UnaryOp::Pow(-1.0), Draw::NORMAL),
         (UnaryOp::Pow(2.5), Draw::NORMAL),
         (UnaryOp::Pow(-3.0), Draw::NORMAL),
+        (UnaryOp::Pow(4.0), Draw::NORMAL),
         (UnaryOp::Pow(f32::INFINITY), Draw::POSITIVE),
         (UnaryOp::Pow(f32::NAN), Draw::NORMAL),
         (UnaryOp::Clamp { min: -0.5, max: 0.75 }, Draw::NORMAL),
