@@ -176,6 +176,8 @@ fn cases() -> Vec<Case> {
         for dt in [DType::BF16, DType::F16] {
             push("gelu", Kind::Unary(Activation::Gelu.into()), dt, Dir::Fwd);
             push("gelu", Kind::Unary(Activation::Gelu.into()), dt, Dir::Bwd);
+            push("gelu_tanh", Kind::Unary(Activation::GeluTanh.into()), dt, Dir::Fwd);
+            push("gelu_tanh", Kind::Unary(Activation::GeluTanh.into()), dt, Dir::Bwd);
             push("relu", Kind::Unary(Activation::Relu.into()), dt, Dir::Fwd);
             push("exp", Kind::Unary(UnaryOp::Exp), dt, Dir::Fwd);
             push("add", Kind::Binary(BinaryOp::Add), dt, Dir::Fwd);

@@ -14,7 +14,8 @@ element-wise ones with a PyTorch kernel of their own (not autograd's composition
 each a marker kernel (`torch.cuda._sleep`, PyTorch's `spin_kernel`) and `iters` launches of ours
 and of PyTorch's, alternating. `report` pairs them by position, checks that every one of ours is
 a kernel of this library's naming and every one of PyTorch's is not, and prints the ratio of the
-medians (PyTorch's time / ours). ncu's durations also come in steps of 32 ns on the H100, but
+medians (PyTorch's time / ours) and the trimmed difference of the pairs with its standard error
+(`pairstats.py`), by which a case is slower or level. ncu's durations also come in steps of 32 ns on the H100, but
 they are the kernels' alone, at locked clocks, with cold caches.
 """
 import csv
@@ -24,12 +25,14 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pairstats  # noqa: E402
+
 MARKER = "spin_kernel"  # `cuda::<unnamed>::spin_kernel(long)` in ncu 2025.3
 
 
 def cases(keep):
     """(name, ours, PyTorch's) for the element-wise cases against a PyTorch kernel at 2^16."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch_paired as tp
 
     out = []
@@ -107,15 +110,20 @@ def report(path, names_path, out_json=None):
             print(f"{name}: no pairs (kernels {[k[:40] for _, k, _ in seq[:2]]}: PyTorch ran no kernel?)")
             continue
         mo, mt = statistics.median(ours_t), statistics.median(theirs_t)
-        records.append(dict(name=name, ours_ns=mo, torch_ns=mt, ratio=mt / mo, pairs=len(ours_t),
-                            ours_kernel=seq[0][1], torch_kernel=seq[1][1][:60]))
-        flag = "  **FLAG** < 1" if mt / mo < 1.0 else ""
-        print(f"{name:28s} ours {mo:7.0f} ns  torch {mt:7.0f} ns  ratio {mt / mo:6.3f}  ({len(ours_t)} pairs, "
-              f"{seq[0][1]}){flag}")
+        diff, se = pairstats.trimmed_difference(ours_t, theirs_t)
+        records.append(dict(name=name, ours_ns=mo, torch_ns=mt, ratio=mt / mo, diff_ns=diff, diff_se_ns=se,
+                            slower=pairstats.slower(diff, se), pairs=len(ours_t), ours_kernel=seq[0][1],
+                            torch_kernel=seq[1][1][:60]))
+        flag = "  **SLOWER**" if records[-1]["slower"] else ""
+        print(f"{name:28s} ours {mo:7.0f} ns  torch {mt:7.0f} ns  ratio {mt / mo:6.3f}  (torch - ours {diff:+5.0f} "
+              f"+- {2 * se:3.0f} ns; {len(ours_t)} pairs, {seq[0][1]}){flag}")
     under = [r for r in records if r["ratio"] < 1.0]
+    slow = [r for r in records if r["slower"]]
     if records:
-        print(f"\n{len(records)} cases: {len(under)} under 1.0x; median ratio "
-              f"{statistics.median(r['ratio'] for r in records):.3f}")
+        print(f"\n{len(records)} cases: {len(under)} under 1.0x by the medians; median ratio "
+              f"{statistics.median(r['ratio'] for r in records):.3f}; {len(slow)} slower by more than two "
+              "standard errors of the trimmed difference"
+              + (": " + ", ".join(f"{r['name']} {r['diff_ns']:+.0f} ns" for r in slow) if slow else ""))
     if out_json:
         with open(out_json, "w") as f:
             json.dump(records, f, indent=1)

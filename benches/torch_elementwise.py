@@ -118,6 +118,8 @@ def cases():
             out += [
                 ("gelu", "unary", dt, n, "fwd"),
                 ("gelu", "unary", dt, n, "bwd"),
+                ("gelu_tanh", "unary", dt, n, "fwd"),
+                ("gelu_tanh", "unary", dt, n, "bwd"),
                 ("relu", "unary", dt, n, "fwd"),
                 ("exp", "unary", dt, n, "fwd"),
                 ("add", "binary", dt, n, "fwd"),

@@ -12,7 +12,10 @@ size moved by +-15% between runs whatever the kernels did. Here each iteration f
 MB zeroed, as do_bench), times ours with CUDA events, flushes again and times PyTorch's, the
 order alternating by iteration; both see the same machine state, the same inputs, outputs from
 the same allocator on the same stream. The ratio of the two medians over ITERS pairs (default
-600) is the figure; the median of the per-pair ratios is printed beside it as a check.
+600) is the figure; the median of the per-pair ratios is printed beside it as a check, and the
+pairs' trimmed difference with its standard error (`pairstats.py`): the events come in 32-ns
+steps, so two medians of the same speed differ by a step either way, and a case is *slower* only
+where the difference stays below zero by more than two standard errors.
 
 Our kernels run through the PyTorch package's native module (`kernels_torch._native`: the
 library's own launch code on PyTorch's stream, as `kernels_torch` users get them). The cases and
@@ -34,6 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pairstats  # noqa: E402
 import torch_elementwise as te  # noqa: E402
 import torch_rows as tr  # noqa: E402
 from kernels_torch import _native, _ops  # noqa: E402
@@ -222,7 +226,20 @@ def paired(ours, theirs, iters):
     return to, tt
 
 
-def cases():
+def cases(half_scan=False):
+    """The cases: `torch_elementwise.py`'s at 2^16 and the row ops at 64 x 1024; with `half_scan`,
+    instead every element-wise op in bf16 and f16 (the suite's half-precision cases are a few
+    activations and `add`), its backward where PyTorch's is a kernel of its own."""
+    if half_scan:
+        out = []
+        for dt in ("bf16", "f16"):
+            for op in te.UNARY:
+                out.append(("elementwise", op, "unary", dt, "fwd"))
+                if op in TORCH_KERNEL_BWD and (op, "bwd") not in TORCH_ALIASES:
+                    out.append(("elementwise", op, "unary", dt, "bwd"))
+            out += [("elementwise", op + "_y", "unary_y", dt, "bwd") for op in te.FROM_OUTPUT]
+            out += [("elementwise", op, "binary", dt, "fwd") for op in te.BINARY]
+        return out
     out = []
     for op, kind, dt, n, direction in te.cases():
         if n == N and kind != "copy":
@@ -240,11 +257,12 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--iters", type=int, default=600)
     ap.add_argument("--filter", default=None)
+    ap.add_argument("--half-scan", action="store_true", help="every element-wise op in bf16 and f16 instead")
     args = ap.parse_args()
     keep = re.compile(args.filter) if args.filter else None
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     records, skipped = [], []
-    for family, op, kind, dt, direction in cases():
+    for family, op, kind, dt, direction in cases(args.half_scan):
         size = f"{ROWS}x{COLS}" if family == "rows" else str(N)
         name = f"{dt}/{direction}/{op}/{size}"
         if keep is not None and not keep.search(name):
@@ -258,23 +276,28 @@ def main():
         to, tt = paired(ours, theirs, args.iters)
         mo, mt = statistics.median(to), statistics.median(tt)
         pr = statistics.median(b / a for a, b in zip(to, tt))
+        diff, se = pairstats.trimmed_difference(to, tt)
         if family == "elementwise":
             kernel_bwd = kind == "unary_y" or (kind == "unary" and op in TORCH_KERNEL_BWD)
             autograd = direction == "bwd" and not kernel_bwd
         else:
             autograd = op == "rms_norm" and direction == "bwd"
         rec = dict(name=name, op=op, dtype=dt, size=size, direction=direction, ours_us=mo, torch_us=mt,
-                   ratio=mt / mo, pair_ratio=pr, iters=args.iters, torch_autograd=autograd)
+                   ratio=mt / mo, pair_ratio=pr, diff_ns=diff * 1e3, diff_se_ns=se * 1e3,
+                   slower=pairstats.slower(diff, se), iters=args.iters, torch_autograd=autograd)
         records.append(rec)
-        flag = "  autograd" if autograd else ("  **FLAG** < 1" if mt / mo < 1.0 else "")
-        print(f"{name:36s} ours {mo:6.2f} us  torch {mt:6.2f} us  ratio {mt / mo:6.3f}  (pairs {pr:.3f}){flag}",
-              flush=True)
+        flag = "  autograd" if autograd else ("  **SLOWER**" if rec["slower"] else "")
+        print(f"{name:36s} ours {mo:6.2f} us  torch {mt:6.2f} us  ratio {mt / mo:6.3f}  (pairs {pr:.3f}; "
+              f"torch - ours {diff * 1e3:+5.0f} +- {2 * se * 1e3:3.0f} ns){flag}", flush=True)
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
     kernel_cases = [r for r in records if not r["torch_autograd"]]
     under = [r for r in kernel_cases if r["ratio"] < 1.0]
-    print(f"\n{len(kernel_cases)} cases against a PyTorch kernel: {len(under)} under 1.0x"
-          + (f" (lowest {min(r['ratio'] for r in under):.3f})" if under else ""))
+    slow = [r for r in kernel_cases if r["slower"]]
+    print(f"\n{len(kernel_cases)} cases against a PyTorch kernel: {len(under)} under 1.0x by the medians"
+          + (f" (lowest {min(r['ratio'] for r in under):.3f})" if under else "")
+          + f"; {len(slow)} slower by more than two standard errors of the trimmed difference"
+          + (": " + ", ".join(f"{r['name']} {r['diff_ns']:+.0f} ns" for r in slow) if slow else ""))
     print(f"{len(records) - len(kernel_cases)} against PyTorch's autograd composition; no pair for: "
           + ", ".join(skipped))
     print(f"wrote {len(records)} records to {args.out}")
