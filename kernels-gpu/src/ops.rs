@@ -408,16 +408,32 @@ impl UnaryFn for Sigmoid {
 // no cancellation for any x (the accurate tanh's range split and compensated steps, then
 // 1 - t^2, made the f32 backward compute-bound at 0.965x PyTorch). At x = +-inf, e = 0 and the
 // result is g * 0 (NaN for infinite g), as PyTorch's g (1 - 1).
-unary!(
-    /// `tanh(x)`; backward `g (1 - tanh(x)^2)`, as `4 e / (1 + e)^2` with `e = exp(-2|x|)`.
-    Tanh,
-    |x, a, b| math::tanh(x),
-    |x, g, a, b| {
+/// `tanh(x)`; backward `g (1 - tanh(x)^2)`, as `4 e / (1 + e)^2` with `e = exp(-2|x|)`; for
+/// f16/bf16 `fastmath::tanh_half` and the special function unit's exp.
+pub struct Tanh;
+impl UnaryFn for Tanh {
+    #[inline(always)]
+    fn fwd(x: f32, _: f32, _: f32) -> f32 {
+        math::tanh(x)
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, _: f32, _: f32) -> f32 {
         let e = math::exp(-2.0 * abs(x));
         let s = math::recip(1.0 + e);
         g * (4.0 * e * s * s)
     }
-);
+    #[inline(always)]
+    fn fwd_half(x: f32, _: f32, _: f32) -> f32 {
+        math::tanh_half(x)
+    }
+    // e = e^-2|x| in (0, 1], so 1 + e is in [1, 2] and MUFU.EX2 alone is 2^-22 relative.
+    #[inline(always)]
+    fn bwd_half(x: f32, g: f32, _: f32, _: f32) -> f32 {
+        let e = math::exp_for::<crate::F16>(-2.0 * abs(x));
+        let s = math::recip(1.0 + e);
+        g * (4.0 * e * s * s)
+    }
+}
 const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
 /// GELU, erf form: `x Phi(x)`.
 ///
