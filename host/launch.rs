@@ -1,7 +1,8 @@
 //! Launch geometry: pure functions of the problem size and the GPU, tested on the CPU.
 
 use crate::device::LaunchConfig;
-use kernels_gpu::elementwise::{BLOCK, COL_BLOCK_X, COL_BLOCK_Y, SMALL_BLOCK, half_vectors};
+use crate::error::{Error, Result};
+use kernels_gpu::elementwise::{BLOCK, CHUNK_BLOCK, COL_BLOCK_X, COL_BLOCK_Y, SMALL_BLOCK, half_vectors};
 use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 
 /// Grid for an element-wise kernel over `n` elements moved `vec` at a time, `unroll` vectors
@@ -31,21 +32,38 @@ pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: 
 }
 
 /// Grid of a small launch of the unary and binary ops (their `_small` entries: one 8-byte half
-/// vector a thread, no loop), where even one half vector a thread stays within one wave of the
-/// grid-stride kernel's resident blocks (`blocks_per_sm` of 256 threads an SM); `None` above
-/// that, and for `n = 0`. A thread for every half vector and every tail element, in blocks of
-/// [`SMALL_BLOCK`] threads (a constant of those kernels). At this size a launch is the latency of
-/// one pass, which twice the threads with half the math each shorten (2^16 f32: 256 blocks of 128
-/// threads, two elements each).
-pub fn elementwise_small(n: u64, vec: u64, sm_count: u32, blocks_per_sm: u32) -> Option<LaunchConfig> {
-    let wave = sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64 * BLOCK as u64;
+/// vector a thread, no loop), where even one half vector a thread stays within one wave of their
+/// other kernels' `resident` threads (SMs times resident [`CHUNK_BLOCK`]-thread blocks times
+/// `CHUNK_BLOCK`); `None` above that, and for `n = 0`. A thread for every half vector and every
+/// tail element, in blocks of [`SMALL_BLOCK`] threads (a constant of those kernels). At this size
+/// a launch is the latency of one pass, which twice the threads with half the math each shorten
+/// (2^16 f32: 256 blocks of 128 threads, two elements each).
+pub fn elementwise_small(n: u64, vec: u64, resident: u64) -> Option<LaunchConfig> {
     let halves = half_vectors(n, vec);
-    if n == 0 || vec < 2 || halves > wave {
+    if n == 0 || vec < 2 || halves > resident {
         return None;
     }
     let threads = halves.max(n - halves * (vec / 2));
     let grid = threads.div_ceil(SMALL_BLOCK as u64) as u32;
     Some(LaunchConfig { grid: (grid, 1, 1), block: (SMALL_BLOCK, 1, 1), shared_bytes: 0 })
+}
+
+/// Grid of the unary and binary kernels above the small launches (`per_thread` vectors of `vec`
+/// elements a thread, no loop; `kernels_gpu::elementwise::chunk`): a [`CHUNK_BLOCK`]-thread block
+/// for every `per_thread * CHUNK_BLOCK` vectors, and at least one for the tail. `None` for
+/// `n = 0`; an error (naming `op`) where that would pass the grid's 2^31 - 1 blocks (2^40 f32
+/// elements, more than any GPU holds).
+pub fn elementwise_chunks(op: &'static str, n: u64, vec: u64, per_thread: u64) -> Result<Option<LaunchConfig>> {
+    if n == 0 {
+        return Ok(None);
+    }
+    let b = CHUNK_BLOCK as u64;
+    let blocks = (n / vec).div_ceil(per_thread.max(1) * b).max((n % vec).div_ceil(b));
+    let grid = u32::try_from(blocks).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("{n} elements need {blocks} blocks of {per_thread} x {b} vectors, past the grid's 2^31 - 1"),
+    })?;
+    Ok(Some(LaunchConfig { grid: (grid, 1, 1), block: (CHUNK_BLOCK, 1, 1), shared_bytes: 0 }))
 }
 
 /// Grid of a column-reduction kernel over a `rows x cols` matrix: `32 x 8` blocks, `grid.x`
@@ -191,8 +209,8 @@ mod tests {
 
     #[test]
     fn elementwise_small_below_a_wave() {
-        assert_eq!(elementwise_small(0, 4, 132, 8), None);
-        let wave = 132 * 8 * 256;
+        let wave = 132 * 16 * 128;
+        assert_eq!(elementwise_small(0, 4, wave), None);
         for n in [
             1u64,
             2,
@@ -212,7 +230,7 @@ mod tests {
         ] {
             for vec in [4u64, 8] {
                 let halves = n / (vec / 2);
-                match elementwise_small(n, vec, 132, 8) {
+                match elementwise_small(n, vec, wave) {
                     Some(c) => {
                         // A thread for every half vector and every tail element, none idle past
                         // the last block's rounding.
@@ -222,13 +240,39 @@ mod tests {
                         assert!(threads >= need && threads < need + SMALL_BLOCK as u64, "n={n} vec={vec}");
                         assert_eq!(c.block, (SMALL_BLOCK, 1, 1));
                     }
-                    // Larger: the grid-stride kernel.
+                    // Larger: the chunk kernel.
                     None => assert!(halves > wave, "n={n} vec={vec}"),
                 }
             }
         }
         // 2^16 f32 on an H100: 256 blocks of 128 threads, two elements each.
-        assert_eq!(elementwise_small(1 << 16, 4, 132, 4).unwrap().grid, (256, 1, 1));
+        assert_eq!(elementwise_small(1 << 16, 4, wave).unwrap().grid, (256, 1, 1));
+    }
+
+    #[test]
+    fn elementwise_chunks_cover_every_element() {
+        assert_eq!(elementwise_chunks("t", 0, 4, 1).unwrap(), None);
+        let b = CHUNK_BLOCK as u64;
+        for n in
+            [1u64, 3, 4, 5, 7, 8, 9, 511, 512, 513, 2047, 2048, 2049, 1 << 20, (1 << 20) + 7, (1 << 31) + 7, 1 << 36]
+        {
+            for vec in [4u64, 8] {
+                for k in [1u64, 2, 4] {
+                    let c = elementwise_chunks("t", n, vec, k).unwrap().unwrap();
+                    assert_eq!(c.block, (CHUNK_BLOCK, 1, 1));
+                    let threads = c.grid.0 as u64 * b;
+                    // `k` vectors for every thread and a thread for every tail element, less
+                    // than a block idle.
+                    let nv = n / vec;
+                    assert!(threads * k >= nv && threads >= n % vec, "n={n} vec={vec} k={k}");
+                    assert!(threads < (nv.div_ceil(k)).max(n % vec) + b, "n={n} vec={vec} k={k}");
+                }
+            }
+        }
+        // Past the grid's limit: an error that names the call, not a launch that skips elements.
+        let e = elementwise_chunks("unary_out", 1 << 41, 4, 1).unwrap_err();
+        assert!(e.to_string().starts_with("unary_out: "), "{e}");
+        assert!(elementwise_chunks("t", (i32::MAX as u64) * b * 4, 4, 1).is_ok());
     }
 
     #[test]

@@ -274,6 +274,31 @@ fn uniform_and_normal_generators_have_the_right_moments() {
     assert!((var - 1.0).abs() < 5.0 * (2.0f64).sqrt() / (n as f64).sqrt(), "variance {var}");
 }
 
+/// The unary chunk kernels' vectors a thread (`UnaryFn::CHUNK`, which the host sizes their grid
+/// with, from the op's form): one vector for the memory-bound ops and forms, 16 elements for
+/// pow's general forms, whose math sets the pace. (The kernels assert 1, 2 or 4 when compiled.)
+#[test]
+fn chunk_kernels_take_one_vector_or_sixteen_elements() {
+    let (a, b) = (0.5, 0.25);
+    for &op in Unary::ALL.iter().filter(|&&op| op != Unary::Pow) {
+        for dt in DType::ALL {
+            assert_eq!(op.chunk(op.fwd_form(a, b), dt), 1, "{op:?} {dt:?}");
+            assert_eq!(op.chunk(op.bwd_form(a, b), dt), 1, "{op:?} {dt:?}");
+        }
+    }
+    for dt in DType::ALL {
+        let general = if dt == DType::F32 { 4 } else { 2 };
+        let pow = Unary::Pow;
+        for p in [2.5, -0.5, 4.0, f32::INFINITY, 0.0] {
+            assert_eq!(pow.chunk(pow.fwd_form(p, 0.0), dt), general, "x^{p} {dt:?}");
+        }
+        for p in [2.0, 3.0, 1.0, -1.0] {
+            assert_eq!(pow.chunk(pow.fwd_form(p, 0.0), dt), 1, "x^{p} {dt:?}");
+            assert_eq!(pow.chunk(pow.bwd_form(p + 1.0, 0.0), dt), 1, "x^{} backward {dt:?}", p + 1.0);
+        }
+    }
+}
+
 /// Without a driver (CI) `Device::cuda` is an error with a clear message; with one it works.
 #[test]
 fn a_missing_gpu_is_an_error_not_a_panic() {

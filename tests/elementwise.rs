@@ -546,13 +546,13 @@ fn main() -> ExitCode {
         Ok(())
     }));
     // The random sizes (up to 300k elements) are small launches for most kernels, which run the
-    // ops' `_small` entries: every op once more past the largest small launch, on its grid-stride
-    // kernel, in every dtype. One vector a thread here; `unary_binary/widths` has the unrolled loop.
+    // ops' `_small` entries: every op once more past the largest small launch, on its chunk
+    // kernel (a vector a thread), in every dtype.
     if !sanitizer() {
         for dt in DType::ALL {
-            tests.push(test(format!("unary_binary/grid_stride/{dt:?}"), move |dev: &Device| {
-                // Half vectors of 8 bytes; small launches go up to one per thread of
-                // a wave of at most 8 resident 256-thread blocks an SM.
+            tests.push(test(format!("unary_binary/chunks/{dt:?}"), move |dev: &Device| {
+                // Half vectors of 8 bytes; small launches go up to one per thread of a wave of
+                // at most 2048 resident threads an SM.
                 let n = 8 / dt.size() * 8 * 256 * dev.sm_count() as usize + 13;
                 for (i, (op, d)) in unary_ops().into_iter().enumerate() {
                     fwd_case(dev, op, d, dt, n, i as u64)?;
@@ -569,16 +569,14 @@ fn main() -> ExitCode {
         }
     }
     tests.push(test("unary_binary/widths", |dev: &Device| {
-        // The unary and binary launches' three grids in every dtype: a small launch (the `_small`
-        // entries, `launch::elementwise_small`: half vectors a thread, under one wave), and the
-        // grid-stride kernel with one 16-byte vector a thread and with its unrolled loop. With `b`
-        // resident 256-thread blocks an SM, the first holds up to `vec / 2 * 256 * b * sms`
-        // elements and the last starts at `vec * unroll * 256 * b * sms`; the middle size is in
-        // between for `b` = 4 (the 48-64 registers of most of these kernels), the large one past
-        // it for any `b` up to 8. Odd sizes, so every grid also has a tail.
-        // Under compute-sanitizer, the first two grids (the third is the loop of every large size).
+        // The unary and binary launches' grids in every dtype: a small launch (the `_small`
+        // entries, `launch::elementwise_small`: half vectors a thread, under one wave of resident
+        // 128-thread blocks, at most 16 an SM), and the chunk kernels (`launch::elementwise_chunks`:
+        // a vector a thread) past that in every dtype (16384 * sms elements are 4096 * sms f16/bf16
+        // half vectors, twice the most resident threads) and at several waves. Odd sizes, so
+        // every grid also has a tail. Under compute-sanitizer, the first two.
         let sms = dev.sm_count() as usize;
-        let sizes = [100_003, 2048 * 4 * sms + 5, 4096 * 8 * sms + 13];
+        let sizes = [100_003, 16384 * sms + 5, 65536 * sms + 13];
         for dt in DType::ALL {
             for &n in &sizes[..if sanitizer() { 2 } else { 3 }] {
                 let seed = n as u64;

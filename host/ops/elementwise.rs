@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 use kernels_gpu::elementwise::{
-    BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
+    BinaryBwdArgs, BinaryFwdArgs, CHUNK_BLOCK, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
 };
 use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, PowForm, Unary};
@@ -214,42 +214,53 @@ fn grid_1d(x: &Tensor, kernel: &str, unrolled: bool) -> Result<Option<crate::dev
     Ok(launch::elementwise(x.numel() as u64, vec, unroll, dev.sm_count(), dev.blocks_per_sm_256(kernel)?))
 }
 
-/// The kernel and grid of a unary or binary launch over `x`: the op's small-launch entry
-/// (`small`, [`launch::elementwise_small`]) where one half vector a thread fits one wave of the
-/// grid-stride kernel (`big`), else `big` on [`launch::elementwise`]'s grid; `None` for an empty
-/// tensor.
-fn plan<'k>(x: &Tensor, big: &'k str, small: &'k str) -> Result<Option<(&'k str, crate::device::LaunchConfig)>> {
+/// A unary or binary op's two kernels for one launch ([`plan`]): its chunk kernel (`chunked`,
+/// `per_thread` vectors a thread) and its small-launch entry (`small`).
+struct Entries {
+    chunked: &'static str,
+    per_thread: u64,
+    small: &'static str,
+}
+
+/// The kernel and grid of a unary or binary launch over `x` for the call `name`: the op's
+/// small-launch entry ([`launch::elementwise_small`]) where one half vector a thread fits in one
+/// wave of the chunk kernel's resident blocks, else the chunk kernel on
+/// [`launch::elementwise_chunks`]'s grid; `None` for an empty tensor.
+fn plan(name: &'static str, x: &Tensor, e: Entries) -> Result<Option<(&'static str, crate::device::LaunchConfig)>> {
     let (dev, n) = (x.device(), x.numel() as u64);
     if n == 0 {
         return Ok(None);
     }
     let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
-    let blocks = dev.blocks_per_sm_256(big)?;
-    if let Some(cfg) = launch::elementwise_small(n, vec, dev.sm_count(), blocks) {
-        return Ok(Some((small, cfg)));
+    let b = CHUNK_BLOCK;
+    let resident = dev.sm_count() as u64 * dev.blocks_per_sm(e.chunked, b, 0)? as u64 * b as u64;
+    if let Some(cfg) = launch::elementwise_small(n, vec, resident) {
+        return Ok(Some((e.small, cfg)));
     }
-    let unroll = kernels_gpu::elementwise::unroll(x.dtype()) as u64;
-    Ok(launch::elementwise(n, vec, unroll, dev.sm_count(), blocks).map(|cfg| (big, cfg)))
+    Ok(launch::elementwise_chunks(name, n, vec, e.per_thread)?.map(|cfg| (e.chunked, cfg)))
 }
 
 // --- unary --------------------------------------------------------------------------------------
 
-/// The forward's grid-stride and small-launch kernels ([`plan`]) of the kernel-side op `k` with
-/// first parameter `a`: pow's forms by multiplication or division have small entries of their
-/// own ([`PowForm`], chosen here from the exponent), the other ops one each.
-fn unary_fwd_kernels(k: Unary, a: f32, dt: DType) -> (&'static str, &'static str) {
-    match PowForm::of(a) {
-        Some(f) if k == Unary::Pow => (k.fwd(dt), f.fwd_small(dt)),
-        _ => (k.fwd(dt), k.fwd_small(dt)),
-    }
+/// The forward's kernels ([`plan`]) of the kernel-side op `k` with parameters `a`, `b`: pow's
+/// forms by multiplication or division have small entries of their own ([`PowForm`], chosen here
+/// from the exponent), the other ops one each; the chunk kernel's vectors a thread are those of
+/// the op's form ([`Unary::chunk`]).
+fn unary_fwd_kernels(k: Unary, a: f32, b: f32, dt: DType) -> Entries {
+    let small = match PowForm::of(a) {
+        Some(f) if k == Unary::Pow => f.fwd_small(dt),
+        _ => k.fwd_small(dt),
+    };
+    Entries { chunked: k.fwd(dt), per_thread: k.chunk(k.fwd_form(a, b), dt), small }
 }
 
 /// [`unary_fwd_kernels`] for the backward: pow's form there is that of `a - 1`.
-fn unary_bwd_kernels(k: Unary, a: f32, dt: DType) -> (&'static str, &'static str) {
-    match PowForm::of(a - 1.0) {
-        Some(f) if k == Unary::Pow => (k.bwd(dt), f.bwd_small(dt)),
-        _ => (k.bwd(dt), k.bwd_small(dt)),
-    }
+fn unary_bwd_kernels(k: Unary, a: f32, b: f32, dt: DType) -> Entries {
+    let small = match PowForm::of(a - 1.0) {
+        Some(f) if k == Unary::Pow => f.bwd_small(dt),
+        _ => k.bwd_small(dt),
+    };
+    Entries { chunked: k.bwd(dt), per_thread: k.chunk(k.bwd_form(a, b), dt), small }
 }
 
 /// `op(x)`, element-wise.
@@ -268,8 +279,7 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     check_same_dtype(name, x, out)?;
     check_same_shape(name, x, out, "output")?;
     let (k, a, b) = op.kernel();
-    let (big, small) = unary_fwd_kernels(k, a, x.dtype());
-    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
+    let Some((kernel, cfg)) = plan(name, x, unary_fwd_kernels(k, a, b, x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
@@ -283,8 +293,7 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     let op = op.into();
     op.validate("unary_")?;
     let (k, a, b) = op.kernel();
-    let (big, small) = unary_fwd_kernels(k, a, x.dtype());
-    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
+    let Some((kernel, cfg)) = plan("unary_", x, unary_fwd_kernels(k, a, b, x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let p = x.dev_ptr_mut::<T>()?;
@@ -325,21 +334,22 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
-    launch_unary_bwd(unary_bwd_kernels(k, a, x.dtype()), x, grad, gx, a, b)
+    launch_unary_bwd(name, unary_bwd_kernels(k, a, b, x.dtype()), x, grad, gx, a, b)
 }
 
-/// Launches a unary backward kernel (`UnaryBwdArgs`; grid-stride and small-launch entries, as
-/// [`plan`]) on checked operands: `x` (or the output, for the kernels from it), `grad` and `gx`
-/// of one shape, dtype and device.
+/// Launches a unary backward kernel (`UnaryBwdArgs`; chunked and small-launch entries, as
+/// [`plan`]) for the call `name` on checked operands: `x` (or the output, for the kernels from
+/// it), `grad` and `gx` of one shape, dtype and device.
 fn launch_unary_bwd(
-    (big, small): (&str, &str),
+    name: &'static str,
+    kernels: Entries,
     x: &Tensor,
     grad: &Tensor,
     gx: &mut Tensor,
     a: f32,
     b: f32,
 ) -> Result<()> {
-    let Some((kernel, cfg)) = plan(x, big, small)? else { return Ok(()) };
+    let Some((kernel, cfg)) = plan(name, x, kernels)? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
         let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
@@ -431,15 +441,15 @@ pub fn unary_backward_from_output_out(
     let name = "unary_backward_from_output";
     let dt = y.dtype();
     let (kernels, a, b) = match op.grad_from_output(name)? {
-        FromOutput::Kernel(k) => ((k.bwd_y(dt), k.bwd_y_small(dt)), 0.0, 0.0),
+        FromOutput::Kernel(k) => (Entries { chunked: k.bwd_y(dt), per_thread: 1, small: k.bwd_y_small(dt) }, 0.0, 0.0),
         FromOutput::Passes | FromOutput::SameKernel => {
             let (k, a, b) = op.kernel();
-            (unary_bwd_kernels(k, a, dt), a, b)
+            (unary_bwd_kernels(k, a, b, dt), a, b)
         }
     };
     check_unary_backward(name, y, grad, op)?;
     check_binary(name, y, gx)?;
-    launch_unary_bwd(kernels, y, grad, gx, a, b)
+    launch_unary_bwd(name, kernels, y, grad, gx, a, b)
 }
 
 // --- binary -------------------------------------------------------------------------------------
@@ -463,19 +473,20 @@ pub fn binary_out(a: &Tensor, b: &Tensor, op: BinaryOp, out: &mut Tensor) -> Res
     let name = "binary_out";
     check_binary(name, a, b)?;
     check_binary(name, a, out)?;
-    launch_binary(a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>()? as u64, op)
+    launch_binary(name, a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>()? as u64, op)
 }
 
 /// `a = a op b`.
 pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
     check_binary("binary_", a, b)?;
     let p = a.dev_ptr_mut::<u8>()? as u64;
-    launch_binary(p, b, p, op)
+    launch_binary("binary_", p, b, p, op)
 }
 
-fn launch_binary(a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
+fn launch_binary(name: &'static str, a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
     let (k, dt) = (op.kernel(), b.dtype());
-    let Some((kernel, cfg)) = plan(b, k.fwd(dt), k.fwd_small(dt))? else { return Ok(()) };
+    let e = Entries { chunked: k.fwd(dt), per_thread: 1, small: k.fwd_small(dt) };
+    let Some((kernel, cfg)) = plan(name, b, e)? else { return Ok(()) };
     let n = b.numel() as u64;
     with_elem!(b.dtype(), |T| {
         let args: BinaryFwdArgs<T> = (a as *const T, b.dev_ptr(), out as *mut T, n);
@@ -500,7 +511,7 @@ pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> R
     }
     let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
     let (k, dt) = (op.kernel(), a.dtype());
-    if let Some((kernel, cfg)) = plan(a, k.bwd(dt), k.bwd_small(dt))? {
+    if let Some((kernel, cfg)) = plan(name, a, Entries { chunked: k.bwd(dt), per_thread: 1, small: k.bwd_small(dt) })? {
         let n = a.numel() as u64;
         with_elem!(a.dtype(), |T| {
             let args: BinaryBwdArgs<T> =

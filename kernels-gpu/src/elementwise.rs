@@ -3,20 +3,26 @@
 //! including the fused `act(x * scale + bias)`.
 //!
 //! Memory pattern: these are bound by HBM bandwidth (a few flops per 4-12 bytes moved), so each
-//! thread moves 16 bytes per access (`ld.global.nc.v4` / `st.global.v4`), consecutive threads
-//! touch consecutive vectors (a warp moves 512 contiguous bytes per instruction), and a
-//! grid-stride loop sized by the host to a few waves of resident blocks keeps enough loads in
-//! flight without launching millions of blocks. The elements past the last whole vector are
-//! done one per thread. Pointers come from whole allocations, so 16-byte alignment holds.
+//! thread moves 16 bytes per access (`ld.global.nc.v4` / `st.global.v4`) and consecutive threads
+//! touch consecutive vectors (a warp moves 512 contiguous bytes per instruction). The elements
+//! past the last whole vector are done one per thread. Pointers come from whole allocations, so
+//! 16-byte alignment holds.
 //!
-//! Small launches (where one 8-byte half vector a thread fits in one wave of resident blocks:
-//! 2^16 f32 elements, for instance) go to entries of their own, `<op>_<kind>_small_<dtype>`,
-//! for the unary and binary ops: no loop and no grid-size test, each thread one half vector
-//! (and one tail element), [`SMALL_BLOCK`] threads a block, a constant, so the kernel reads
-//! neither `%ntid` nor `%nctaid`. At that size a launch is the latency of one pass, not
-//! bandwidth: twice the threads of 16-byte vectors halve each thread's chain of math, and the
-//! work before the first load is the thread index alone (`benches/NOTES.md`, twentieth and
-//! twenty-first sessions).
+//! The unary and binary kernels (`<op>_<kind>_<dtype>`) take one vector a thread with no loop, a
+//! block of [`CHUNK_BLOCK`] threads a chunk of as many vectors, as many blocks as chunks: every
+//! load of the launch is issued at once and blocks retiring make room for the next, from 2^20
+//! elements to 2^31 and beyond (`chunk`). Small launches (where one 8-byte half vector a thread
+//! fits in one wave of resident blocks: 2^16 f32 elements, for instance) go to entries of their
+//! own, `<op>_<kind>_small_<dtype>`: each thread one half vector (and one tail element),
+//! [`SMALL_BLOCK`] threads a block, a constant, so the kernel reads neither `%ntid` nor
+//! `%nctaid`. At that size a launch is the latency of one pass, not bandwidth: twice the threads
+//! of 8-byte half vectors halve each thread's chain of math, and the work before the first load
+//! is the thread index alone (`benches/NOTES.md`, twentieth, twenty-first and twenty-third
+//! sessions).
+//!
+//! The row-broadcast kernels and the optimizers keep a grid-stride loop sized by the host to a
+//! few waves of resident blocks, `unroll(T)` vectors in flight a thread a round (`grid_stride`):
+//! their parameters per column are loaded once a thread where the stride is whole rows.
 //!
 //! Column reductions (the bias gradient) are two-stage and deterministic: a 2-D grid of
 //! `32 x 8`-thread blocks, each summing a strip of rows for 32 adjacent columns into
@@ -82,6 +88,18 @@ pub const fn half_vectors(n: u64, vec: u64) -> u64 {
     n / (vec / 2)
 }
 
+/// Threads (and vectors) a block of the unary and binary kernels above the small launches
+/// (`<op>_<kind>_<dtype>`, one vector a thread): a constant of those kernels, which the host must
+/// launch them with.
+pub const CHUNK_BLOCK: u32 = 128;
+
+/// Vectors a thread of a chunk kernel whose op asks for `elements` a thread
+/// (`ops::UnaryFn::CHUNK`), in vectors of `vec` elements: one where `elements` is at most a
+/// vector, else `elements / vec` (1, 2 or 4 for the ops' values).
+pub const fn chunk_vectors(elements: usize, vec: usize) -> usize {
+    if elements <= vec { 1 } else { elements / vec }
+}
+
 /// Threads a block of the small-launch entries (`<op>_<kind>_small_<dtype>`): a constant of the
 /// kernels, which the host must launch them with.
 pub const SMALL_BLOCK: u32 = 128;
@@ -108,8 +126,7 @@ mod device {
     }
 
     /// [`grid_stride`] with `rounds` (1, 2 or 4, a constant at the call site) vectors per thread
-    /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors)
-    /// or whose math sets the pace (`UnaryFn::FWD_VECTORS_PER_ROUND`).
+    /// per round, for kernels whose vectors are larger than these (the optimizer's four tensors).
     #[inline(always)]
     pub(crate) unsafe fn grid_stride_by<T: Elem, L: Copy>(
         n: u64,
@@ -154,6 +171,75 @@ mod device {
         }
     }
 
+    /// `k` vectors a thread (1, 2 or 4, a constant where the kernel is compiled), no loop: block
+    /// `b` takes the `k * CHUNK_BLOCK` vectors from `b * k * CHUNK_BLOCK`, thread `t` those at
+    /// `t`, `t + CHUNK_BLOCK`, ... in it (a warp's load is 512 contiguous bytes). `at_once`:
+    /// `load(off)` for all of them, then `finish(off, data)` for each; otherwise load and finish
+    /// one vector after another. Thread `i` of the grid also takes tail element `i` (`one`). The
+    /// host launches a block for every `k * CHUNK_BLOCK` vectors, and at least one.
+    ///
+    /// Measured against the grid-stride loop (H100, `benches/NOTES.md`, twenty-third session):
+    /// from 2^20 to 2^25 elements the loop left each thread two to four serial round trips (load,
+    /// math, store, load, ...), 3-15% behind PyTorch; here every load of the launch is issued at
+    /// once, blocks retiring make room for the next, and the time is one round trip plus the
+    /// bandwidth. With one vector a thread, at 2^28 f32 it is 0.3-0.5% faster than PyTorch's
+    /// kernel (and 1-2% faster than the loop); two or four vectors a thread were slower there, and
+    /// slower for the heavy f16/bf16 backwards at mid sizes. Ops whose math sets the pace take
+    /// more (`UnaryFn::CHUNK`).
+    #[inline(always)]
+    unsafe fn chunk<T: Elem, L: Copy>(
+        n: u64,
+        (k, at_once): (usize, bool),
+        load: impl Fn(usize) -> L,
+        mut finish: impl FnMut(usize, L),
+        one: impl FnOnce(usize),
+    ) {
+        let w = T::VEC as u64;
+        let b = CHUNK_BLOCK as u64;
+        let nv = n / w;
+        let g = block_idx_x() as u64 * b + thread_idx_x() as u64;
+        let i = block_idx_x() as u64 * (k as u64 * b) + thread_idx_x() as u64;
+        let o = |j: u64| ((i + j * b) * w) as usize;
+        if at_once && k > 1 && i + (k as u64 - 1) * b < nv {
+            // Written out rather than as an array of `L`: an array indexed in a loop the compiler
+            // does not fully unroll lands in local memory.
+            if k == 4 {
+                let (d0, d1, d2, d3) = (load(o(0)), load(o(1)), load(o(2)), load(o(3)));
+                finish(o(0), d0);
+                finish(o(1), d1);
+                finish(o(2), d2);
+                finish(o(3), d3);
+            } else {
+                let (d0, d1) = (load(o(0)), load(o(1)));
+                finish(o(0), d0);
+                finish(o(1), d1);
+            }
+        } else {
+            // One vector, one after another, or the last chunk (past the end).
+            for j in 0..k as u64 {
+                if i + j * b < nv {
+                    finish(o(j), load(o(j)));
+                }
+            }
+        }
+        let t = nv * w + g;
+        if t < n {
+            one(t as usize);
+        }
+    }
+
+    /// `O`'s chunk for form `F` in dtype `T` (`UnaryFn::CHUNK`): vectors a thread, and whether
+    /// loaded at once. A constant; one other than 1, 2 or 4 vectors fails the build.
+    #[inline(always)]
+    fn chunk_of<T: Elem, O: UnaryFn, const F: u32>() -> (usize, bool) {
+        const {
+            let (e, at_once) = O::CHUNK[F as usize];
+            let k = chunk_vectors(e, T::VEC);
+            assert!(k == 1 || k == 2 || k == 4, "a chunk of 1, 2 or 4 vectors");
+            (k, at_once)
+        }
+    }
+
     #[inline(always)]
     unsafe fn load<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
         // SAFETY: callers pass a whole vector inside the tensor; allocations are 16-byte aligned.
@@ -170,14 +256,15 @@ mod device {
         unsafe { st_global_v4(p as *mut u32, T::pack(v)) }
     }
 
-    // SAFETY (all four kernels below): the host passes tensors of `n` elements; `grid_stride`
-    // hands out offsets of whole vectors below `n` and tail indices below `n`.
+    // SAFETY (all four kernels below): the host passes tensors of `n` elements and a grid of
+    // `CHUNK_BLOCK`-thread blocks sized for the op's chunk (`launch::elementwise_chunks`);
+    // `chunk` hands out offsets of whole vectors below `n` and tail indices below `n`.
 
-    /// One loop per form of the op (`UnaryFn::FORMS`): the launch's form is one uniform branch
-    /// here, not one per element.
+    /// One body per form of the op (`UnaryFn::FORMS`): the launch's form is one uniform branch
+    /// here, not one per element; each form's [`chunk`] is its own (`UnaryFn::CHUNK`).
     pub unsafe fn unary_fwd<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        // SAFETY (both): the caller's contract. An op of one form instantiates one loop.
+        // SAFETY (both): the caller's contract. An op of one form instantiates one body.
         if O::FORMS == 1 {
             unsafe { unary_fwd_in::<T, O, 0>(x, y, n, a, b) }
         } else {
@@ -188,14 +275,10 @@ mod device {
     #[inline(always)]
     unsafe fn unary_fwd_in<T: Elem, O: UnaryFn, const F: u32>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         let in_place = x as u64 == y as u64;
-        let rounds = match O::FWD_VECTORS_PER_ROUND {
-            0 => unroll(T::DTYPE),
-            r => r,
-        };
         unsafe {
-            grid_stride_by::<T, _>(
+            chunk::<T, _>(
                 n,
-                rounds,
+                chunk_of::<T, O, F>(),
                 #[inline(always)]
                 |o| load(x.add(o), in_place),
                 #[inline(always)]
@@ -212,6 +295,7 @@ mod device {
         }
     }
 
+    /// As [`unary_fwd`], with the backward's form.
     pub unsafe fn unary_bwd<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
         // SAFETY (both): the caller's contract.
@@ -233,8 +317,9 @@ mod device {
     ) {
         let in_place = g as u64 == gx as u64;
         unsafe {
-            grid_stride::<T, _>(
+            chunk::<T, _>(
                 n,
+                chunk_of::<T, O, F>(),
                 #[inline(always)]
                 |o| (load(x.add(o), false), load(g.add(o), in_place)),
                 #[inline(always)]
@@ -254,8 +339,9 @@ mod device {
     pub unsafe fn binary_fwd<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, n: u64) {
         let in_place = x as u64 == out as u64 || y as u64 == out as u64;
         unsafe {
-            grid_stride::<T, _>(
+            chunk::<T, _>(
                 n,
+                (1, true),
                 #[inline(always)]
                 |o| (load(x.add(o), in_place), load(y.add(o), in_place)),
                 #[inline(always)]
@@ -312,8 +398,9 @@ mod device {
         n: u64,
     ) {
         unsafe {
-            grid_stride::<T, _>(
+            chunk::<T, _>(
                 n,
+                (1, true),
                 #[inline(always)]
                 |o| (load(x.add(o), false), load(y.add(o), false), load(g.add(o), false)),
                 #[inline(always)]

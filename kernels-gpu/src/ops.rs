@@ -52,14 +52,14 @@ pub trait UnaryFn {
     fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, b: f32) -> f32 {
         Self::bwd(x, g, a, b)
     }
-    /// Vectors a thread loads per round of the forward kernel's loops
-    /// (`elementwise::grid_stride_by`); 0 keeps the default, `elementwise::unroll(dtype)`. An op
-    /// whose math, not memory, sets the pace takes 1: four f32 vectors a thread interleave 16
-    /// elements' math and take the registers of 16, which cuts the resident warps that hide the
-    /// loads. It is per op, not per form: a kernel's registers are those of its hungriest loop
-    /// (pow's general form: 0.82x PyTorch with four, 70 registers; 0.90x with one vector for it
-    /// and four for the other forms, 62; 0.997x with one for all, measured on the H100).
-    const FWD_VECTORS_PER_ROUND: usize = 0;
+    /// Elements a thread of the op's forward and backward kernels above the small launches, in
+    /// whole 16-byte vectors (0: one vector, whatever its width), and whether a thread loads them
+    /// all before its math (`elementwise::chunk`, `elementwise::chunk_vectors`), for each form
+    /// (`FORMS`; the backward's form is `bwd_form`'s). One vector gives the most loads in flight,
+    /// and memory-bound ops run fastest so (H100, `benches/NOTES.md`, twenty-third session).
+    /// Where the math sets the pace, more elements share a thread's work outside them (the index,
+    /// the form's dispatch, a setup from the parameters).
+    const CHUNK: [(usize, bool); MAX_FORMS as usize] = [(0, true); MAX_FORMS as usize];
 }
 
 /// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`](crate::by_form) spells out
@@ -310,8 +310,17 @@ impl UnaryFn for Pow {
     fn bwd_in<const F: u32>(x: f32, g: f32, a: f32, _: f32) -> f32 {
         if a == 0.0 { 0.0 } else { g * (a * pow_in::<F>(x, a - 1.0)) }
     }
-    /// The general path is compute-bound: one vector a thread a round (see the trait).
-    const FWD_VECTORS_PER_ROUND: usize = 1;
+    /// The general forms' math (log2 and exp2 in double-f32 steps, about 75 instructions an
+    /// element) sets the pace, and the dispatch on the form and the exponent's tests before it are
+    /// about 40 a thread: 16 elements a thread, a vector after another (2^28 f32 forward at
+    /// x^2.5: 787 us against PyTorch's 766; one vector, 923; four at once, 807 with 48
+    /// registers). The forms by multiplication or division are memory-bound: one vector.
+    const CHUNK: [(usize, bool); MAX_FORMS as usize] = {
+        let mut c = [(0, true); MAX_FORMS as usize];
+        c[POW_GENERAL as usize] = (16, false);
+        c[POW_SPECIAL as usize] = (16, false);
+        c
+    };
     #[inline(always)]
     fn fwd(x: f32, a: f32, b: f32) -> f32 {
         crate::by_form!(pow_form(a), F => Self::fwd_in::<F>(x, a, b))
@@ -850,6 +859,28 @@ macro_rules! unary_enum {
         Unary, "", [fwd bwd fwd_small bwd_small]; [$($t)*]); };
 }
 unary_list!(unary_enum);
+
+macro_rules! unary_chunk {
+    ($($op:ident $O:ident),* $(,)?) => {
+        impl Unary {
+            /// The op's form for the forward's parameters ([`UnaryFn::fwd_form`]).
+            pub fn fwd_form(self, a: f32, b: f32) -> u32 {
+                match self { $(Unary::$O => <$O as UnaryFn>::fwd_form(a, b)),* }
+            }
+            /// The op's form for the backward's parameters ([`UnaryFn::bwd_form`]).
+            pub fn bwd_form(self, a: f32, b: f32) -> u32 {
+                match self { $(Unary::$O => <$O as UnaryFn>::bwd_form(a, b)),* }
+            }
+            /// Vectors a thread of the op's kernels above the small launches in `form`, for `dt`
+            /// ([`UnaryFn::CHUNK`]): the host sizes their grid with it.
+            pub const fn chunk(self, form: u32, dt: crate::DType) -> u64 {
+                let c = match self { $(Unary::$O => <$O as UnaryFn>::CHUNK),* };
+                crate::elementwise::chunk_vectors(c[form as usize].0, 16 / dt.size()) as u64
+            }
+        }
+    };
+}
+unary_list!(unary_chunk);
 
 macro_rules! pow_form_enum {
     ($($t:tt)*) => { op_enum!(
