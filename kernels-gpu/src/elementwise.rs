@@ -895,6 +895,20 @@ pub use device::*;
 
 // --- the kernels: one per (op, dtype), named `<op>_<kind>_<dtype>` -----------------------------
 
+// The small-launch entries `<op>_fwd_small_<dtype>` and `<op>_bwd_small_<dtype>`: every unary
+// op's (from `unary_kernels`), and pow's forms by multiplication or division alone (`ops::PowIn`).
+macro_rules! small_kernels {
+    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(small_kernels, $op, $O); )* };
+    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
+        paste::paste! {
+            $crate::kernel!([<$op _fwd_small_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
+                unary_fwd_small::<$T, crate::ops::$O>(x, y, n, a, b));
+            $crate::kernel!([<$op _bwd_small_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
+                unary_bwd_small::<$T, crate::ops::$O>(x, g, gx, n, a, b));
+        }
+    };
+}
+
 macro_rules! unary_kernels {
     ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(unary_kernels, $op, $O); )* };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
@@ -903,11 +917,8 @@ macro_rules! unary_kernels {
                 unary_fwd::<$T, crate::ops::$O>(x, y, n, a, b));
             $crate::kernel!([<$op _bwd_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
                 unary_bwd::<$T, crate::ops::$O>(x, g, gx, n, a, b));
-            $crate::kernel!([<$op _fwd_small_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
-                unary_fwd_small::<$T, crate::ops::$O>(x, y, n, a, b));
-            $crate::kernel!([<$op _bwd_small_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
-                unary_bwd_small::<$T, crate::ops::$O>(x, g, gx, n, a, b));
         }
+        small_kernels!($T, $sfx, $op, $O);
     };
 }
 crate::unary_list!(unary_kernels);
@@ -925,19 +936,7 @@ macro_rules! output_grad_kernels {
 }
 crate::output_grad_list!(output_grad_kernels);
 
-// pow's forms by multiplication or division: small-launch entries of their own (`ops::PowIn`).
-macro_rules! pow_form_kernels {
-    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(pow_form_kernels, $op, $O); )* };
-    ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
-        paste::paste! {
-            $crate::kernel!([<$op _fwd_small_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
-                unary_fwd_small::<$T, crate::ops::$O>(x, y, n, a, b));
-            $crate::kernel!([<$op _bwd_small_ $sfx>]: UnaryBwdArgs<$T> = |x, g, gx, n, a, b|
-                unary_bwd_small::<$T, crate::ops::$O>(x, g, gx, n, a, b));
-        }
-    };
-}
-crate::pow_form_list!(pow_form_kernels);
+crate::pow_form_list!(small_kernels);
 
 macro_rules! binary_kernels {
     ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(binary_kernels, $op, $O); )* };
