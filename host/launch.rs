@@ -136,6 +136,16 @@ pub enum Spread {
     /// registers grow fastest with the vectors, like the norms' backward, where four vectors of
     /// f32 take 160 registers: their `available` stops below four.)
     Wide,
+    /// As `Wide`, with at least two vectors a thread instead of four: only rows of up to 256
+    /// vectors differ (two vectors then fit a group of 128 threads). The forwards of softmax,
+    /// log-softmax and f16/bf16 RMS norm: a reduction's fixed cost over half the elements, for
+    /// more warps in flight (softmax bf16: 32 registers against 44, eight 256-thread blocks an SM
+    /// against five). H100, GB/s against four vectors in the same run (`benches/NOTES.md`,
+    /// twenty-fourth session): softmax bf16 262144 x 128 2621 -> 2682, 131072 x 256 2683 ->
+    /// 2709, 4096 x 256 621 -> 681, f32 262144 x 128 2859 -> 2875, level at 1024 columns and
+    /// more; RMS norm bf16 262144 x 128 2623 -> 2656, f16 2616 -> 2657, bf16 8192 x 512 1673 ->
+    /// 1757. Slower beyond the noise: f32 log-softmax at 8192 x 512 (2068 -> 2028).
+    Two,
     /// The fewest vectors a thread (the largest group, up to 1024 threads). Softmax's backward:
     /// two loads a vector (y and its gradient), one reduction and a multiply-add an element, so
     /// what pays is threads, i.e. warps in flight, more than loads per thread: on the H100,
@@ -157,7 +167,11 @@ pub fn reg_vectors(nvec: u64, available: &[usize], spread: Spread) -> Option<usi
         return available.iter().copied().find(|&v| nvec <= v as u64 * MAX_GROUP as u64);
     }
     let most = available.iter().copied().max()?;
-    let floor = if spread == Spread::Wide { (nvec.next_power_of_two().min(4) as usize).min(most) } else { 1 };
+    let floor = match spread {
+        Spread::Wide => (nvec.next_power_of_two().min(4) as usize).min(most),
+        Spread::Two => (nvec.next_power_of_two().min(2) as usize).min(most),
+        _ => 1,
+    };
     let fits = |limit: u64| available.iter().copied().filter(|&v| v >= floor).find(|&v| nvec <= v as u64 * limit);
     [128, 256, 512, MAX_GROUP as u64].into_iter().find_map(fits)
 }
@@ -317,6 +331,12 @@ mod tests {
         assert_eq!(reg_vectors(8193, &all, Spread::Wide), None);
         assert_eq!(reg_vectors(8192, &[1, 2, 4], Spread::Wide), None);
         assert_eq!(reg_vectors(32, &all, Spread::Narrow), Some(1)); // narrow: a warp per row of 128 f32
+        assert_eq!(reg_vectors(1, &all, Spread::Two), Some(1));
+        assert_eq!(reg_vectors(3, &all, Spread::Two), Some(2)); // two threads, the second one vector
+        assert_eq!(reg_vectors(16, &all, Spread::Two), Some(2)); // 128 bf16: 8 threads x 2
+        assert_eq!(reg_vectors(256, &all, Spread::Two), Some(2)); // 1024 f32: 128 threads x 2
+        assert_eq!(reg_vectors(257, &all, Spread::Two), Some(4)); // past 128 threads: as Wide
+        assert_eq!(reg_vectors(1024, &all, Spread::Two), Some(8));
         let bwd = [1, 2, 4];
         assert_eq!(reg_vectors(0, &bwd, Spread::Fewest), None);
         assert_eq!(reg_vectors(32, &bwd, Spread::Fewest), Some(1)); // 128 f32: a warp a row

@@ -59,6 +59,16 @@ impl Kind {
             Kind::Rms => "rms_norm",
         }
     }
+    /// How the forward spreads a row of `dt` (see [`Spread::Two`]). f32 RMS norm keeps four
+    /// vectors a thread: its four-vector kernel holds 40 registers (six 256-thread blocks an SM)
+    /// and ran 0.9 us faster than two vectors at 65536 x 1024 and 32768 x 1000 (H100, twenty-fourth
+    /// session); layer norm's forward lost with two vectors as often as it gained.
+    fn fwd_spread(self, dt: DType) -> Spread {
+        match self {
+            Kind::Rms if dt != DType::F32 => Spread::Two,
+            _ => Spread::Wide,
+        }
+    }
     fn bwd_vectors(dt: DType) -> &'static [usize] {
         if dt == DType::F32 { &[1, 2, 4] } else { &[1, 2] }
     }
@@ -148,7 +158,9 @@ fn forward_out(
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
-    if let Some(p) = fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols))? {
+    if let Some(p) =
+        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?
+    {
         let mean_p = ptr_mut_or_null(mean.as_mut())?;
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
@@ -446,11 +458,15 @@ fn backward_plan(
         let threads = p.cfg.block.0 * p.cfg.block.1;
         let per_sm = dev.blocks_per_sm(&p.kernel, threads, p.cfg.shared_bytes)?;
         // f16/bf16 rows of about 6600-8192 columns take two vectors a thread in 416-512 threads
-        // of 80 registers: one block an SM, 13-16 warps. A cluster of smaller blocks keeps more in
-        // flight: bf16 at 8192 x 8192 1999 -> 2396 GB/s (H100; f32 at 8192 columns, also one
+        // of 72-80 registers: one block an SM, 13-16 warps. A cluster of smaller blocks keeps more
+        // in flight: bf16 at 8192 x 8192 1999 -> 2396 GB/s (H100; f32 at 8192 columns, also one
         // 512-thread block an SM, went the other way, 2805 -> 2701, and bf16 at 4096 columns,
-        // three 256-thread blocks, 2512 -> 1972: benches/NOTES.md, thirteenth session).
-        let thin = dt != DType::F32 && per_sm * threads < 768;
+        // three 256-thread blocks, 2512 -> 1972: benches/NOTES.md, thirteenth session). Not for
+        // eight rows an SM or fewer: there the one wave of blocks beat the cluster, f16 layer
+        // norm at 600 x 8192 31.9 against 36.5 us, 1056 x 8192 42.4 against 45.1; at 2048 x 8192
+        // the cluster led, 63.0 against 65.7, and at 1200 x 6656 42.1 against 44.3 (twenty-fourth
+        // session). RMS norm's bf16 kernel holds 64 registers, two blocks an SM, and stays.
+        let thin = dt != DType::F32 && per_sm * threads < 768 && rows > 8 * dev.sm_count() as u64;
         if thin && let Some(plan) = cluster()? {
             return Ok(Some(plan));
         }
@@ -483,7 +499,8 @@ pub fn norm_kernels(
     params: bool,
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
-    let fwd = fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols))?;
+    let fwd =
+        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?;
     let one = if params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
     let bwd = match one {
         Some(p) => Some(p.kernel),

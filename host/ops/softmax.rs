@@ -37,7 +37,8 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
     check_same_shape(op, x, y, "the output must have the input's shape")?;
     let (rows, cols) = rows_cols(op, x)?;
     let dt = x.dtype();
-    let Some(p) = fwd_row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols))? else {
+    let Some(p) = fwd_row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Two)?
+    else {
         return Ok(());
     };
     with_elem!(dt, |T| {
@@ -87,7 +88,7 @@ fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64
 /// for rows x cols of `dt` (for tests: which path a shape takes).
 #[doc(hidden)]
 pub fn softmax_kernels(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<[String; 2]> {
-    let fwd = fwd_row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols))?;
+    let fwd = fwd_row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Two)?;
     let bwd = backward_plan(dev, log, dt, rows, cols)?;
     Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|p| p.kernel).unwrap_or_default()])
 }

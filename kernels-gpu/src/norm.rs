@@ -78,7 +78,7 @@ mod device {
     use super::*;
     use crate::dtype::{Elem, for_lanes};
     use crate::elementwise::{COL_BLOCK_X, COL_BLOCK_Y, col_block_store};
-    use crate::math::{fma, sqrt};
+    use crate::math::{fma, recip, rsqrt};
     use crate::prim::*;
     use crate::rows::*;
 
@@ -116,16 +116,19 @@ mod device {
         }
     }
 
-    /// `(mean, rstd)` of a row from `(count, mean, sum of squared deviations)` (layer) or
-    /// `(_, _, sum of squares)` (rms).
+    /// `(mean, rstd)` of a row from `(_, mean, sum of squared deviations)` (layer) or
+    /// `(_, _, sum of squares)` (rms), with `inv_n = recip(cols)`.
+    ///
+    /// `rsqrt` rather than `1 / sqrt`: one rounding instead of two, and no branch. `sqrt.rn`,
+    /// `rcp.rn` and the two divisions by `cols` each took a range check and a branch to a slow
+    /// path, in every thread of the row's group. With the butterfly's remainder (`rows.rs`) they
+    /// cost 64 instructions a thread a row: ncu counted 43.3M warp instructions for the
+    /// one-vector bf16 kernel at 262144 x 128 before, 34.9M after, where its eight elements a
+    /// thread take about 100 (twenty-fourth session).
     #[inline(always)]
-    fn finish<N: Norm>(st: [f32; 3], cols: u64, eps: f32) -> (f32, f32) {
-        if N::CENTER {
-            let var = st[2] / cols as f32;
-            (st[1], 1.0 / sqrt(var + eps))
-        } else {
-            (0.0, 1.0 / sqrt(st[2] / cols as f32 + eps))
-        }
+    fn finish<N: Norm>(st: [f32; 3], inv_n: f32, eps: f32) -> (f32, f32) {
+        let mu = if N::CENTER { st[1] } else { 0.0 };
+        (mu, rsqrt(st[2] * inv_n + eps))
     }
 
     /// Loads the `VEC` parameters of columns `c..c + VEC`; `1` (weight) or `0` (bias) when the
@@ -235,8 +238,11 @@ mod device {
             },
         );
         let [sum] = red.reduce(&g, [sum], [0.0], add1);
+        // The mean and variance as products, without a division's range check and branch
+        // between the reductions.
+        let inv_n = recip(cols as f32);
         let st = if N::CENTER {
-            let m = sum / cols as f32;
+            let m = sum * inv_n;
             let mut m2 = 0.0f32;
             for_slots::<V>(
                 #[inline(always)]
@@ -245,7 +251,7 @@ mod device {
                         let v = T::unpack(opaque(raw[s]));
                         for_lanes::<T>(
                             #[inline(always)]
-                            |k| m2 += (v[k] - m) * (v[k] - m),
+                            |k| m2 = fma(v[k] - m, v[k] - m, m2),
                         );
                     }
                 },
@@ -255,7 +261,7 @@ mod device {
         } else {
             [0.0, 0.0, sum]
         };
-        let (mu, rs) = finish::<N>(st, cols, eps);
+        let (mu, rs) = finish::<N>(st, inv_n, eps);
         unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
         for_slots::<V>(
             #[inline(always)]
@@ -268,7 +274,10 @@ mod device {
                     let mut v = T::unpack(opaque(raw[s]));
                     for_lanes::<T>(
                         #[inline(always)]
-                        |k| v[k] = (v[k] - mu) * rs * wv[k] + bv[k],
+                        // Layer norm by an fma (one rounding fewer); RMS norm as a product, which
+                        // kept its eight-vector kernel within 64 registers (the fma with a zero
+                        // bias spilled 12 bytes there).
+                        |k| v[k] = if N::CENTER { fma(v[k] - mu, rs * wv[k], bv[k]) } else { v[k] * rs * wv[k] },
                     );
                     // SAFETY: inside row `row` of y.
                     unsafe { st_global_v4(y.add(off + c as usize) as *mut u32, T::pack(&v)) };
@@ -292,6 +301,7 @@ mod device {
     ) {
         let g = Group::this();
         let wv = T::VEC as u64;
+        let inv_n = recip(cols as f32);
         g.for_each_row(
             rows,
             #[inline(always)]
@@ -328,12 +338,12 @@ mod device {
                     group_reduce(&g, [s], [0.0], add1)[0]
                 };
                 let st = if N::CENTER {
-                    let m = sum_of(&|v| v) / cols as f32;
+                    let m = sum_of(&|v| v) * inv_n;
                     [cols as f32, m, sum_of(&|v| (v - m) * (v - m))]
                 } else {
                     [0.0, 0.0, sum_of(&|v| v * v)]
                 };
-                let (mu, rs) = finish::<N>(st, cols, eps);
+                let (mu, rs) = finish::<N>(st, inv_n, eps);
                 unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
                 // Parameters are per column: vector loads when this row's vectors start at
                 // multiples of VEC columns (aligned rows), scalar loads otherwise.
@@ -1074,9 +1084,9 @@ crate::for_each_elem!(norm_kernels);
 // As softmax: eight vectors per thread for rows of up to 32768, f32 in a 1024-thread group, f16/
 // bf16 rows of 16385 to 32768 in up to 512 threads, two blocks an SM (bf16 layer norm at 4096 x
 // 32768: 2479 GB/s with four vectors in 1024 threads, 2766 with eight; at 8192 x 8192, eight
-// were 5% slower than four, so the host offers them only to the long rows). The second reduction, weights and biases on top of
-// the row spill 8-16 bytes at 64 registers, accepted (xtask's KNOWN_SPILLS): once per row,
-// against two more reads of the row streaming.
+// were 5% slower than four, so the host offers them only to the long rows). The row, its second
+// reduction, the weights and biases fit 64 registers since the twenty-fourth session's changes
+// to `finish` and the output (8-24 bytes of spill before, on sm_80 and sm_90).
 norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);
 norm_kernels!(@fwd f32, f32, rms_norm, Rms, 8);
 norm_kernels!(@fwd crate::dtype::BF16, bf16, layer_norm, Layer, 8);

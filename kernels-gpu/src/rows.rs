@@ -317,6 +317,10 @@ mod device {
     /// Butterfly over aligned groups of `width` lanes (a power of two up to 32), then every
     /// lane takes its group's first lane's result: the butterfly may leave lanes with results
     /// that differ in the last bit (`combine` need not be commutative in floating point).
+    ///
+    /// The steps run from `width / 2` down, so a group of 4 takes two steps and no test of the
+    /// three it has no lanes for; the first lane is a mask, `width` being a power of two (a
+    /// remainder here was a call to a 16-bit division routine, twice a row in layer norm).
     #[inline(always)]
     fn butterfly<const K: usize>(
         mut v: [f32; K],
@@ -324,20 +328,18 @@ mod device {
         lane: u32,
         combine: &impl Fn([f32; K], [f32; K]) -> [f32; K],
     ) -> [f32; K] {
-        let mut m = 16;
+        let mut m = width >> 1;
         while m > 0 {
-            if m < width {
-                let mut o = [0.0f32; K];
-                let mut k = 0;
-                while k < K {
-                    o[k] = shfl_xor_f32(v[k], m);
-                    k += 1;
-                }
-                v = combine(v, o);
+            let mut o = [0.0f32; K];
+            let mut k = 0;
+            while k < K {
+                o[k] = shfl_xor_f32(v[k], m);
+                k += 1;
             }
+            v = combine(v, o);
             m >>= 1;
         }
-        let first = lane - lane % width;
+        let first = lane & !(width - 1);
         let mut k = 0;
         while k < K {
             v[k] = shfl_idx_f32(v[k], first);

@@ -29,6 +29,7 @@ pub type SoftmaxBwdArgs<T> = (*const T, *const T, *mut T, u64, u64);
 mod device {
     use crate::dtype::{Elem, for_lanes};
     use crate::fastmath::{exp, exp_for, log};
+    use crate::math::recip;
     use crate::prim::*;
     use crate::rows::*;
 
@@ -95,8 +96,10 @@ mod device {
     /// `(offset, 1/s, log s)` of a row's pair.
     #[inline(always)]
     fn finish(p: [f32; 2]) -> (f32, f32, f32) {
-        // A NaN or +inf max must poison the row; `offset` keeps both.
-        (offset(p[0]), 1.0 / p[1], log(p[1]))
+        // A NaN or +inf max must poison the row; `offset` keeps both. `recip` is `1 / s` bit
+        // for bit (s >= 1: the max's own term), without `rcp.rn`'s branch to a slow path. A row
+        // of all -inf has s = 0: recip gives NaN, and the outputs are NaN as `0 * (1 / 0)` were.
+        (offset(p[0]), recip(p[1]), log(p[1]))
     }
 
     pub unsafe fn fwd_reg<T: Elem, S: Kind, const V: usize>(x: *const T, y: *mut T, rows: u64, cols: u64) {
@@ -155,7 +158,7 @@ mod device {
         );
         let [sum] = red.reduce(&g, [sum], [0.0], add);
         // With m NaN or +inf, o keeps it and every output is NaN, as in PyTorch.
-        let (o, inv_s, log_s) = (o, 1.0 / sum, log(sum));
+        let (o, inv_s, log_s) = (o, recip(sum), log(sum));
         for_slots::<V>(
             #[inline(always)]
             |s| {
