@@ -132,14 +132,15 @@ pub(crate) fn row_plan(
 /// `avail` vectors a thread (ascending): [`row_plan`] with `spread` (`Wide` or `Two`), except
 /// where that grid needs more than one wave of resident blocks and `Wide`'s needs one (`Two`'s
 /// more, lighter blocks then wait for a second wave: RMS norm bf16 at 8192 x 512, 8 MiB, lost
-/// 4-8% with a two-vector kernel of 40-47 registers, two waves where four vectors made one), and except for launches of fewer rows than four an SM. Those take the fewest vectors a thread (the most threads a
-/// row, up to 1024) whose grid still fits one wave of resident blocks: their time is the
-/// latency of one pass over each row, which more threads a row shorten, until a second wave
-/// would double it. Measured on the H100 against `Spread::Narrow` (the fewest vectors that keep
-/// a group at 128 threads), layer norm f32 8 x 4096 10.1 -> 7.1 us, 128 x 4096 11.2 -> 8.5,
-/// bf16 32 x 4096 8.4 -> 6.7, f32 8 x 16384 10.5 -> 8.9; at 512 x 4096 f32 one vector a thread
-/// would be two waves (18.3 us) where four are one (11.6) (`benches/NOTES.md`, sixteenth
-/// session).
+/// 4-8% with a two-vector kernel of 40-47 registers, two waves where four vectors made one),
+/// and except for launches of fewer rows than four an SM. Those take the fewest vectors a thread
+/// (the most threads a row, up to 1024) whose grid still fits one wave of resident blocks: their
+/// time is the latency of one pass over each row, which more threads a row shorten, until a
+/// second wave would double it. Measured on the H100 against `Spread::Narrow` (the fewest
+/// vectors that keep a group at 128 threads), layer norm f32 8 x 4096 10.1 -> 7.1 us, 128 x
+/// 4096 11.2 -> 8.5, bf16 32 x 4096 8.4 -> 6.7, f32 8 x 16384 10.5 -> 8.9; at 512 x 4096 f32 one
+/// vector a thread would be two waves (18.3 us) where four are one (11.6) (`benches/NOTES.md`,
+/// sixteenth session).
 pub(crate) fn fwd_row_plan(
     dev: &crate::Device,
     stem: &str,
