@@ -59,15 +59,18 @@ impl Kind {
             Kind::Rms => "rms_norm",
         }
     }
-    /// How the forward spreads a row of `dt` (see [`Spread::Two`]). f32 RMS norm keeps four
-    /// vectors a thread: its four-vector kernel holds 40 registers (six 256-thread blocks an SM)
-    /// and ran 0.9 us faster than two vectors at 65536 x 1024 and 32768 x 1000 (H100, twenty-fourth
-    /// session); layer norm's forward lost with two vectors as often as it gained.
+    /// How the forward spreads a row of `dt` (see [`Spread::Two`]): two vectors a thread for
+    /// f16/bf16, four for f32.
+    ///
+    /// f32 RMS norm's four-vector kernel holds 40 registers (six 256-thread blocks an SM) and ran
+    /// 0.9 us faster than two vectors at 65536 x 1024 and 32768 x 1000, and f32 layer norm lost
+    /// with two vectors as often as it gained (H100, twenty-fourth session). Layer norm's f16/bf16
+    /// two-vector kernel holds 32 registers since its parameters' defaults are packed (40 before,
+    /// when two vectors were mixed too); against four vectors (H100, twenty-fifth session, bf16):
+    /// 4096 x 256 +0.53 us (8%), 8192 x 512 +0.20 (2%), 65536 x 1024 +0.77, 131072 x 256 +0.37,
+    /// level at 262144 x 128 and 16384 x 4096.
     fn fwd_spread(self, dt: DType) -> Spread {
-        match self {
-            Kind::Rms if dt != DType::F32 => Spread::Two,
-            _ => Spread::Wide,
-        }
+        if dt == DType::F32 { Spread::Wide } else { Spread::Two }
     }
     fn bwd_vectors(dt: DType) -> &'static [usize] {
         if dt == DType::F32 { &[1, 2, 4] } else { &[1, 2] }

@@ -51,6 +51,9 @@ pub trait Elem: Copy + 'static {
     const DTYPE: DType;
     /// Elements in 16 bytes.
     const VEC: usize;
+    /// A 32-bit word of a loaded vector whose every element is 1.0 (a word of zeros is 0 in every
+    /// type): the default of an absent parameter, packed like a loaded one.
+    const ONE_WORD: u32;
 
     #[cfg(target_arch = "nvptx64")]
     fn to_f32(self) -> f32;
@@ -68,6 +71,7 @@ pub trait Elem: Copy + 'static {
 impl Elem for f32 {
     const DTYPE: DType = DType::F32;
     const VEC: usize = 4;
+    const ONE_WORD: u32 = 0x3f80_0000;
 
     #[cfg(target_arch = "nvptx64")]
     #[inline(always)]
@@ -95,6 +99,7 @@ impl Elem for f32 {
 impl Elem for F16 {
     const DTYPE: DType = DType::F16;
     const VEC: usize = 8;
+    const ONE_WORD: u32 = 0x3c00_3c00;
 
     #[cfg(target_arch = "nvptx64")]
     #[inline(always)]
@@ -130,6 +135,7 @@ impl Elem for F16 {
 impl Elem for BF16 {
     const DTYPE: DType = DType::BF16;
     const VEC: usize = 8;
+    const ONE_WORD: u32 = 0x3f80_3f80;
 
     #[cfg(target_arch = "nvptx64")]
     #[inline(always)]

@@ -160,6 +160,26 @@ mod device {
         }
     }
 
+    /// The vector of parameters at columns `c..c + VEC` (16-byte aligned) for the register-resident
+    /// forward below eight vectors a thread: an absent parameter (`absent` 1.0 for the weight, 0.0
+    /// for the bias) is the packed words of its default, chosen before the one unpack, where
+    /// [`params_l1`] unpacks the load under a predicate beside the default's eight moves. Layer
+    /// norm's two-vector f16/bf16 kernel holds 32 registers this way (40 with `params_l1`: full
+    /// occupancy in 256-thread blocks), its four-vector one 58 (52; four such blocks an SM either
+    /// way); f16/bf16 layer norm at 262144 x 128 and bf16 at 131072 x 256 gained 0.2-0.5%. The
+    /// eight-vector kernels keep `params_l1`: bf16 layer norm at 4096 x 32768 lost 0.4% (H100,
+    /// twenty-fifth session, three processes of each build alternated).
+    #[inline(always)]
+    unsafe fn params_packed_l1<T: Elem>(p: *const T, c: u64, absent: f32, policy: L1) -> [f32; 8] {
+        let raw = if p.is_null() {
+            [if absent == 0.0 { 0 } else { T::ONE_WORD }; 4]
+        } else {
+            // SAFETY: c + VEC <= cols, the parameter's length, and c is a multiple of VEC.
+            unsafe { ld_global_nc_v4_l1(p.add(c as usize) as *const u32, policy) }
+        };
+        T::unpack(opaque(raw))
+    }
+
     #[inline(always)]
     unsafe fn param<T: Elem>(p: *const T, c: u64, absent: f32) -> f32 {
         // SAFETY: c < cols.
@@ -269,7 +289,13 @@ mod device {
                 if slot_present(&g, s, nvec, ok) {
                     let c = slot_col::<T>(&g, s);
                     // SAFETY: c + VEC <= cols, aligned (cols is a multiple of VEC).
-                    let (wv, bv) = unsafe { (params_l1(w, c, true, 1.0, w_l1), params_l1(b, c, true, 0.0, b_l1)) };
+                    let (wv, bv) = unsafe {
+                        if V < 8 {
+                            (params_packed_l1(w, c, 1.0, w_l1), params_packed_l1(b, c, 0.0, b_l1))
+                        } else {
+                            (params_l1(w, c, true, 1.0, w_l1), params_l1(b, c, true, 0.0, b_l1))
+                        }
+                    };
                     // Unpacked again from the packed registers (see `prim::opaque`).
                     let mut v = T::unpack(opaque(raw[s]));
                     for_lanes::<T>(
