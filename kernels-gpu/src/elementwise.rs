@@ -16,9 +16,9 @@
 //! own, `<op>_<kind>_small_<dtype>`: each thread one half vector (and one tail element),
 //! [`SMALL_BLOCK`] threads a block, a constant, so the kernel reads neither `%ntid` nor
 //! `%nctaid`. At that size a launch is the latency of one pass, not bandwidth: twice the threads
-//! of 8-byte half vectors halve each thread's chain of math, and the work before the first load
-//! is the thread index alone (`benches/NOTES.md`, twentieth, twenty-first and twenty-third
-//! sessions).
+//! of 8-byte half vectors halve each thread's chain of math, the work before the first load is
+//! the thread index alone, and the loads take the coherent path with no in-place test
+//! (`benches/NOTES.md`, twentieth, twenty-first, twenty-third and twenty-fifth sessions).
 //!
 //! The row-broadcast kernels and the optimizers keep a grid-stride loop sized by the host to a
 //! few waves of resident blocks, `unroll(T)` vectors in flight a thread a round (`grid_stride`):
@@ -421,17 +421,22 @@ mod device {
 
     // --- small launches -------------------------------------------------------------------------
 
-    /// Loads half a vector (8 bytes, `T::VEC / 2` elements) at `p`, unpacked into the first lanes;
-    /// in place through the coherent path, as `load`.
+    /// Loads half a vector (8 bytes, `T::VEC / 2` elements) at `p`, unpacked into the first lanes,
+    /// through the coherent path whether or not the launch is in place. The non-coherent load
+    /// needed the in-place test (the output pointer, a second constant-bank load, compared with
+    /// the input's, and a branch) before it could issue, and a launch of one load a thread gains
+    /// nothing from the read-only path. H100, 2^16 (twenty-fifth session): under ncu the 55
+    /// cases' kernels 56 ns shorter (median), paired with CUDA events 40 ns; sigmoid's backward
+    /// from `x` went from 77 ns behind PyTorch's to level, `mul` from 53 to 23 ns behind.
     ///
     /// # Safety
     /// `p` points at a half vector inside the tensor, 8-byte aligned (offsets are multiples of
     /// `T::VEC / 2` from a 16-byte aligned allocation).
     #[inline(always)]
-    unsafe fn load_half<T: Elem>(p: *const T, in_place: bool) -> [f32; 8] {
+    unsafe fn load_half<T: Elem>(p: *const T) -> [f32; 8] {
         // SAFETY: the caller's contract.
         unsafe {
-            let r = if in_place { ld_global_v2(p as *const u32) } else { ld_global_nc_v2(p as *const u32) };
+            let r = ld_global_v2(p as *const u32);
             T::unpack([r[0], r[1], 0, 0])
         }
     }
@@ -487,13 +492,12 @@ mod device {
     /// load is in flight (the grid-stride kernels choose it once, before their loop).
     pub unsafe fn unary_fwd_small<T: Elem, O: UnaryFn>(x: *const T, y: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        let in_place = x as u64 == y as u64;
         unsafe {
             small::<T>(
                 n,
                 #[inline(always)]
                 |o| {
-                    let v = load_half(x.add(o), in_place);
+                    let v = load_half(x.add(o));
                     if O::FORMS == 1 {
                         fwd_half::<T, O, 0>(v, y.add(o), a, b)
                     } else {
@@ -528,13 +532,12 @@ mod device {
     /// [`unary_bwd`] for a small launch; loads, then the form, as [`unary_fwd_small`].
     pub unsafe fn unary_bwd_small<T: Elem, O: UnaryFn>(x: *const T, g: *const T, gx: *mut T, n: u64, a: f32, b: f32) {
         const { assert!(O::FORMS <= crate::ops::MAX_FORMS) };
-        let in_place = g as u64 == gx as u64;
         unsafe {
             small::<T>(
                 n,
                 #[inline(always)]
                 |o| {
-                    let (vx, vg) = (load_half(x.add(o), false), load_half(g.add(o), in_place));
+                    let (vx, vg) = (load_half(x.add(o)), load_half(g.add(o)));
                     if O::FORMS == 1 {
                         bwd_half::<T, O, 0>(vx, vg, gx.add(o), a, b)
                     } else {
@@ -569,13 +572,12 @@ mod device {
 
     /// [`binary_fwd`] for a small launch.
     pub unsafe fn binary_fwd_small<T: Elem, O: BinaryFn>(x: *const T, y: *const T, out: *mut T, n: u64) {
-        let in_place = x as u64 == out as u64 || y as u64 == out as u64;
         unsafe {
             small::<T>(
                 n,
                 #[inline(always)]
                 |o| {
-                    let (mut vx, vy) = (load_half(x.add(o), in_place), load_half(y.add(o), in_place));
+                    let (mut vx, vy) = (load_half(x.add(o)), load_half(y.add(o)));
                     half_lanes::<T>(
                         #[inline(always)]
                         |k| vx[k] = O::fwd(vx[k], vy[k]),
@@ -602,8 +604,7 @@ mod device {
                 n,
                 #[inline(always)]
                 |o| {
-                    let (vx, vy, vg) =
-                        (load_half(x.add(o), false), load_half(y.add(o), false), load_half(g.add(o), false));
+                    let (vx, vy, vg) = (load_half(x.add(o)), load_half(y.add(o)), load_half(g.add(o)));
                     let (mut rx, mut ry) = ([0.0; 8], [0.0; 8]);
                     half_lanes::<T>(
                         #[inline(always)]

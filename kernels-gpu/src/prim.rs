@@ -554,22 +554,6 @@ pub unsafe fn ld_global_v4(p: *const u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
-/// Loads 8 bytes through the non-coherent path ([`ld_global_nc_v4`]'s half).
-///
-/// # Safety
-/// `p` must be 8-byte aligned, point to 8 readable bytes of global memory not written by this
-/// launch.
-#[inline(always)]
-pub unsafe fn ld_global_nc_v2(p: *const u32) -> [u32; 2] {
-    let (a, b): (u32, u32);
-    // SAFETY: per the function contract.
-    unsafe {
-        asm!("ld.global.nc.v2.u32 {{{a}, {b}}}, [{p}];", a = out(reg32) a, b = out(reg32) b,
-             p = in(reg64) p, options(pure, readonly, nostack, preserves_flags));
-    }
-    [a, b]
-}
-
 /// Loads 8 bytes with an ordinary (coherent) global load ([`ld_global_v4`]'s half).
 ///
 /// # Safety
