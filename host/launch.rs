@@ -2,7 +2,7 @@
 
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
-use kernels_gpu::elementwise::{BLOCK, CHUNK_BLOCK, COL_BLOCK_X, COL_BLOCK_Y, SMALL_BLOCK, half_vectors};
+use kernels_gpu::elementwise::{BLOCK, CHUNK_BLOCK, COL_BLOCK_X, COL_BLOCK_Y, half_vectors, small_block};
 use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 
 /// Grid for an element-wise kernel over `n` elements moved `vec` at a time, `unroll` vectors
@@ -31,21 +31,23 @@ pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: 
     Some(LaunchConfig { grid: (grid, 1, 1), block: (block as u32, 1, 1), shared_bytes: 0 })
 }
 
-/// Grid of a small launch of the unary and binary ops (their `_small` entries: one 8-byte half
-/// vector a thread, no loop), where even one half vector a thread stays within one wave of their
-/// other kernels' `resident` threads (SMs times resident [`CHUNK_BLOCK`]-thread blocks times
+/// Grid of a small launch of the unary and binary ops on `dt` (their `_small` entries: one 8-byte
+/// half vector a thread, no loop), where even one half vector a thread stays within one wave of
+/// their other kernels' `resident` threads (SMs times resident [`CHUNK_BLOCK`]-thread blocks times
 /// `CHUNK_BLOCK`); `None` above that, and for `n = 0`. A thread for every half vector and every
-/// tail element, in blocks of [`SMALL_BLOCK`] threads (a constant of those kernels). At this size
+/// tail element, in blocks of [`small_block`] threads (a constant of those kernels). At this size
 /// a launch is the latency of one pass, which twice the threads with half the math each shorten
-/// (2^16 f32: 256 blocks of 128 threads, two elements each).
-pub fn elementwise_small(n: u64, vec: u64, resident: u64) -> Option<LaunchConfig> {
+/// (2^16 f32: 64 blocks of 512 threads, two elements each; bf16: 128 blocks of 128, four each).
+pub fn elementwise_small(n: u64, dt: kernels_gpu::DType, resident: u64) -> Option<LaunchConfig> {
+    let vec = (16 / dt.size()) as u64;
     let halves = half_vectors(n, vec);
-    if n == 0 || vec < 2 || halves > resident {
+    if n == 0 || halves > resident {
         return None;
     }
     let threads = halves.max(n - halves * (vec / 2));
-    let grid = threads.div_ceil(SMALL_BLOCK as u64) as u32;
-    Some(LaunchConfig { grid: (grid, 1, 1), block: (SMALL_BLOCK, 1, 1), shared_bytes: 0 })
+    let block = small_block(dt);
+    let grid = threads.div_ceil(block as u64) as u32;
+    Some(LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_bytes: 0 })
 }
 
 /// Grid of the unary and binary kernels above the small launches (`per_thread` vectors of `vec`
@@ -224,7 +226,7 @@ mod tests {
     #[test]
     fn elementwise_small_below_a_wave() {
         let wave = 132 * 16 * 128;
-        assert_eq!(elementwise_small(0, 4, wave), None);
+        assert_eq!(elementwise_small(0, kernels_gpu::DType::F32, wave), None);
         for n in [
             1u64,
             2,
@@ -242,25 +244,27 @@ mod tests {
             1 << 20,
             1 << 28,
         ] {
-            for vec in [4u64, 8] {
+            for dt in kernels_gpu::DType::ALL {
+                let vec = (16 / dt.size()) as u64;
                 let halves = n / (vec / 2);
-                match elementwise_small(n, vec, wave) {
+                match elementwise_small(n, dt, wave) {
                     Some(c) => {
                         // A thread for every half vector and every tail element, none idle past
                         // the last block's rounding.
                         let threads = c.grid.0 as u64 * c.block.0 as u64;
                         let need = halves.max(n % (vec / 2));
-                        assert!(halves <= wave, "n={n} vec={vec}");
-                        assert!(threads >= need && threads < need + SMALL_BLOCK as u64, "n={n} vec={vec}");
-                        assert_eq!(c.block, (SMALL_BLOCK, 1, 1));
+                        assert!(halves <= wave, "n={n} {dt:?}");
+                        assert!(threads >= need && threads < need + small_block(dt) as u64, "n={n} {dt:?}");
+                        assert_eq!(c.block, (small_block(dt), 1, 1));
                     }
                     // Larger: the chunk kernel.
-                    None => assert!(halves > wave, "n={n} vec={vec}"),
+                    None => assert!(halves > wave, "n={n} {dt:?}"),
                 }
             }
         }
-        // 2^16 f32 on an H100: 256 blocks of 128 threads, two elements each.
-        assert_eq!(elementwise_small(1 << 16, 4, wave).unwrap().grid, (256, 1, 1));
+        // 2^16 on an H100: f32 64 blocks of 512 threads, two elements each; bf16 128 of 128, four.
+        assert_eq!(elementwise_small(1 << 16, kernels_gpu::DType::F32, wave).unwrap().grid, (64, 1, 1));
+        assert_eq!(elementwise_small(1 << 16, kernels_gpu::DType::BF16, wave).unwrap().grid, (128, 1, 1));
     }
 
     #[test]

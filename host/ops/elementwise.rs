@@ -234,7 +234,7 @@ fn plan(name: &'static str, x: &Tensor, e: Entries) -> Result<Option<(&'static s
     let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
     let b = CHUNK_BLOCK;
     let resident = dev.sm_count() as u64 * dev.blocks_per_sm(e.chunked, b, 0)? as u64 * b as u64;
-    if let Some(cfg) = launch::elementwise_small(n, vec, resident) {
+    if let Some(cfg) = launch::elementwise_small(n, x.dtype(), resident) {
         return Ok(Some((e.small, cfg)));
     }
     Ok(launch::elementwise_chunks(name, n, vec, e.per_thread)?.map(|cfg| (e.chunked, cfg)))

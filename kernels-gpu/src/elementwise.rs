@@ -14,7 +14,7 @@
 //! elements to 2^31 and beyond (`chunk`). Small launches (where one 8-byte half vector a thread
 //! fits in one wave of resident blocks: 2^16 f32 elements, for instance) go to entries of their
 //! own, `<op>_<kind>_small_<dtype>`: each thread one half vector (and one tail element),
-//! [`SMALL_BLOCK`] threads a block, a constant, so the kernel reads neither `%ntid` nor
+//! [`small_block`] threads a block, a constant, so the kernel reads neither `%ntid` nor
 //! `%nctaid`. At that size a launch is the latency of one pass, not bandwidth: twice the threads
 //! of 8-byte half vectors halve each thread's chain of math, the work before the first load is
 //! the thread index alone, and the loads take the coherent path with no in-place test
@@ -100,9 +100,23 @@ pub const fn chunk_vectors(elements: usize, vec: usize) -> usize {
     if elements <= vec { 1 } else { elements / vec }
 }
 
-/// Threads a block of the small-launch entries (`<op>_<kind>_small_<dtype>`): a constant of the
-/// kernels, which the host must launch them with.
-pub const SMALL_BLOCK: u32 = 128;
+/// Threads a block of the small-launch entries (`<op>_<kind>_small_<dtype>`) of `dt`: a constant
+/// of the kernels, which the host must launch them with.
+///
+/// f32: 512 (2^16 elements: 64 blocks, each on an SM of its own, as PyTorch's 64 blocks of 128
+/// threads with eight elements each). Against 128 (H100, twenty-fifth session, the 55 cases at
+/// 2^16 in two processes each): under ncu the kernels 24 ns shorter (median) and none slower than
+/// PyTorch's, where 128 left three or four light f32 kernels 50-108 ns behind; paired with CUDA
+/// events 24 ns faster (median), none slower; level at 2^14 and 2^18. 256 gained about half as
+/// much. f16/bf16: 128. In 512-thread blocks their 2^16 launch is 32 blocks, and the heavier
+/// math lost: `log` and `log1p` ran 96-127 ns behind PyTorch's, paired, GELU 40-80 ns longer under
+/// ncu.
+pub const fn small_block(dt: crate::DType) -> u32 {
+    match dt {
+        crate::DType::F32 => 512,
+        crate::DType::F16 | crate::DType::BF16 => 128,
+    }
+}
 
 #[cfg(target_arch = "nvptx64")]
 mod device {
@@ -465,13 +479,13 @@ mod device {
         )
     }
 
-    /// A small launch of [`SMALL_BLOCK`]-thread blocks: thread `i` takes the half vector at element
+    /// A small launch of [`small_block`]-thread blocks: thread `i` takes the half vector at element
     /// `i * VEC / 2` (`half(offset)`) if there is one, and tail element `i` past the last half
     /// vector (`one(index)`) if there is one. The host gives every half vector and every tail
     /// element a thread (`launch::elementwise_small`).
     #[inline(always)]
     unsafe fn small<T: Elem>(n: u64, half: impl FnOnce(usize), one: impl FnOnce(usize)) {
-        let i = (block_idx_x() * SMALL_BLOCK + thread_idx_x()) as u64;
+        let i = (block_idx_x() * const { small_block(T::DTYPE) } + thread_idx_x()) as u64;
         let h = (T::VEC / 2) as u64;
         let nh = half_vectors(n, T::VEC as u64);
         if i < nh {
@@ -484,7 +498,7 @@ mod device {
     }
 
     // SAFETY (the small kernels below): the host passes tensors of `n` elements and a grid of
-    // `SMALL_BLOCK`-thread blocks; `small` hands out offsets of whole half vectors below `n` and
+    // `small_block`-thread blocks; `small` hands out offsets of whole half vectors below `n` and
     // tail indices below `n`.
 
     /// [`unary_fwd`] for a small launch. The load comes first and the op's form
