@@ -22,7 +22,6 @@
 
 use kernels::ops::{self, Activation, BinaryOp, UnaryOp};
 use kernels::{DType, Device, Result, Tensor};
-use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI, PI};
 
 const N: usize = 1 << 24;
 const COLS: usize = 1024;
@@ -32,161 +31,22 @@ const EDGE: usize = 4096;
 const RUNS: usize = 20;
 const FLUSH_ELEMS: usize = 1 << 26;
 
-// --- the CPU reference, in f64, following PyTorch's definitions --------------------------------
+// The f64 references of the tests (PyTorch's definitions), shared rather than written twice.
+#[allow(dead_code)]
+#[path = "../tests/common/reference.rs"]
+mod reference;
 
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
+/// An error bound, as the references state them (not used by the tour's own check).
+#[allow(dead_code)]
+#[derive(Clone, Copy, Debug)]
+struct Tol {
+    rtol: f64,
+    atol: f64,
 }
 
-fn gelu_tanh_inner(x: f64) -> f64 {
-    (2.0 / PI).sqrt() * (x + 0.044715 * x * x * x)
-}
-
-fn act_f(a: Activation, x: f64) -> f64 {
-    match a {
-        Activation::Identity => x,
-        Activation::Relu => {
-            if x > 0.0 {
-                x
-            } else {
-                0.0
-            }
-        }
-        Activation::LeakyRelu { negative_slope } => {
-            if x > 0.0 {
-                x
-            } else {
-                x * negative_slope as f64
-            }
-        }
-        Activation::Sigmoid => sigmoid(x),
-        Activation::Tanh => x.tanh(),
-        Activation::Gelu => 0.5 * x * (1.0 + libm::erf(x * FRAC_1_SQRT_2)),
-        Activation::GeluTanh => 0.5 * x * (1.0 + gelu_tanh_inner(x).tanh()),
-        Activation::Silu => x * sigmoid(x),
-        Activation::Mish => x * x.exp().ln_1p().tanh(),
-        Activation::Softplus { beta, threshold } => {
-            let (b, t) = (beta as f64, threshold as f64);
-            if b * x > t { x } else { (b * x).exp().ln_1p() / b }
-        }
-    }
-}
-
-/// d act / dx.
-fn act_d(a: Activation, x: f64) -> f64 {
-    match a {
-        Activation::Identity => 1.0,
-        Activation::Relu => {
-            if x > 0.0 {
-                1.0
-            } else {
-                0.0
-            }
-        }
-        Activation::LeakyRelu { negative_slope } => {
-            if x > 0.0 {
-                1.0
-            } else {
-                negative_slope as f64
-            }
-        }
-        Activation::Sigmoid => sigmoid(x) * (1.0 - sigmoid(x)),
-        Activation::Tanh => 1.0 - x.tanh() * x.tanh(),
-        Activation::Gelu => 0.5 * (1.0 + libm::erf(x * FRAC_1_SQRT_2)) + x * (-0.5 * x * x).exp() / (2.0 * PI).sqrt(),
-        Activation::GeluTanh => {
-            let t = gelu_tanh_inner(x).tanh();
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * (2.0 / PI).sqrt() * (1.0 + 3.0 * 0.044715 * x * x)
-        }
-        Activation::Silu => {
-            let s = sigmoid(x);
-            s * (1.0 + x * (1.0 - s))
-        }
-        Activation::Mish => {
-            let t = x.exp().ln_1p().tanh();
-            t + x * sigmoid(x) * (1.0 - t * t)
-        }
-        Activation::Softplus { beta, threshold } => {
-            let (b, t) = (beta as f64, threshold as f64);
-            if b * x > t { 1.0 } else { sigmoid(b * x) }
-        }
-    }
-}
-
-fn unary_f(op: UnaryOp, x: f64) -> f64 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Abs => x.abs(),
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Expm1 => x.exp_m1(),
-        UnaryOp::Log1p => x.ln_1p(),
-        UnaryOp::Erf => libm::erf(x),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-        UnaryOp::Pow(p) => x.powf(p as f64),
-        UnaryOp::Clamp { min, max } => x.max(min as f64).min(max as f64),
-        UnaryOp::AddScalar(s) => x + s as f64,
-        UnaryOp::SubScalar(s) => x - s as f64,
-        UnaryOp::MulScalar(s) => x * s as f64,
-        UnaryOp::DivScalar(s) => x / s as f64,
-        UnaryOp::Act(a) => act_f(a, x),
-    }
-}
-
-/// d op / dx.
-fn unary_d(op: UnaryOp, x: f64) -> f64 {
-    match op {
-        UnaryOp::Neg => -1.0,
-        UnaryOp::Abs => {
-            if x > 0.0 {
-                1.0
-            } else if x < 0.0 {
-                -1.0
-            } else {
-                0.0
-            }
-        }
-        UnaryOp::Exp | UnaryOp::Expm1 => x.exp(),
-        UnaryOp::Log => 1.0 / x,
-        UnaryOp::Log1p => 1.0 / (1.0 + x),
-        UnaryOp::Erf => FRAC_2_SQRT_PI * (-x * x).exp(),
-        UnaryOp::Sqrt => 0.5 / x.sqrt(),
-        UnaryOp::Rsqrt => -0.5 / (x * x.sqrt()),
-        UnaryOp::Pow(p) => {
-            let p = p as f64;
-            if p == 0.0 { 0.0 } else { p * x.powf(p - 1.0) }
-        }
-        UnaryOp::Clamp { min, max } => {
-            if x >= min as f64 && x <= max as f64 {
-                1.0
-            } else {
-                0.0
-            }
-        }
-        UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) => 1.0,
-        UnaryOp::MulScalar(s) => s as f64,
-        UnaryOp::DivScalar(s) => 1.0 / s as f64,
-        UnaryOp::Act(a) => act_d(a, x),
-    }
-}
-
-fn binary_f(op: BinaryOp, a: f64, b: f64) -> f64 {
-    match op {
-        BinaryOp::Add => a + b,
-        BinaryOp::Sub => a - b,
-        BinaryOp::Mul => a * b,
-        BinaryOp::Div => a / b,
-    }
-}
-
-/// (dL/da, dL/db) given dL/dout = g.
-fn binary_d(op: BinaryOp, a: f64, b: f64, g: f64) -> (f64, f64) {
-    match op {
-        BinaryOp::Add => (g, g),
-        BinaryOp::Sub => (g, -g),
-        BinaryOp::Mul => (g * b, g * a),
-        BinaryOp::Div => (g / b, -g * a / (b * b)),
-    }
+/// The op's inputs are drawn positive (its row in the op table says so).
+fn positive(op: UnaryOp) -> bool {
+    ops::UNARY_OPS.iter().any(|i| i.name == op.name() && i.positive)
 }
 
 // --- the harness ---------------------------------------------------------------------------------
@@ -338,18 +198,16 @@ impl Tour {
     }
 
     fn unary_fwd(&mut self, name: &str, op: UnaryOp, dt: DType) -> Result<()> {
-        let positive = matches!(op, UnaryOp::Log | UnaryOp::Log1p | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Pow(_));
-        let (x, xh) = if positive { self.positive(dt)? } else { self.normal(dt)? };
+        let (x, xh) = if positive(op) { self.positive(dt)? } else { self.normal(dt)? };
         let mut run = || Ok(vec![ops::unary(&x, op)?]);
-        self.case(name, dt, "fwd", 2 * N as u64, &mut run, &|_, i| unary_f(op, xh[i] as f64))
+        self.case(name, dt, "fwd", 2 * N as u64, &mut run, &|_, i| reference::unary_fwd(op, xh[i] as f64))
     }
 
     fn unary_bwd(&mut self, name: &str, op: UnaryOp, dt: DType) -> Result<()> {
-        let positive = matches!(op, UnaryOp::Log | UnaryOp::Log1p | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Pow(_));
-        let (x, xh) = if positive { self.positive(dt)? } else { self.normal(dt)? };
+        let (x, xh) = if positive(op) { self.positive(dt)? } else { self.normal(dt)? };
         let (g, gh) = self.normal(dt)?;
         let mut run = || Ok(vec![ops::unary_backward(&x, &g, op)?]);
-        self.case(name, dt, "bwd", 3 * N as u64, &mut run, &|_, i| gh[i] as f64 * unary_d(op, xh[i] as f64))
+        self.case(name, dt, "bwd", 3 * N as u64, &mut run, &|_, i| reference::unary_bwd(op, xh[i] as f64, gh[i] as f64))
     }
 
     /// The second operand: positive for `div` (the normal draws include exact zeros, whose
@@ -361,7 +219,7 @@ impl Tour {
     fn binary_fwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
         let ((a, ah), (b, bh)) = (self.normal(dt)?, self.operand(op, dt)?);
         let mut run = || Ok(vec![ops::binary(&a, &b, op)?]);
-        self.case(name, dt, "fwd", 3 * N as u64, &mut run, &|_, i| binary_f(op, ah[i] as f64, bh[i] as f64))
+        self.case(name, dt, "fwd", 3 * N as u64, &mut run, &|_, i| reference::binary_fwd(op, ah[i] as f64, bh[i] as f64))
     }
 
     fn binary_bwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
@@ -371,7 +229,7 @@ impl Tour {
             Ok(vec![ga, gb])
         };
         let reference = |k: usize, i: usize| {
-            let (da, db) = binary_d(op, ah[i] as f64, bh[i] as f64, gh[i] as f64);
+            let (da, db) = reference::binary_bwd(op, ah[i] as f64, bh[i] as f64, gh[i] as f64);
             if k == 0 { da } else { db }
         };
         self.case(name, dt, "bwd", 5 * N as u64, &mut run, &reference)
@@ -401,7 +259,7 @@ impl Tour {
         let mut run = || Ok(vec![ops::scale_bias_act(&x, &s, &b, act)?]);
         let reference = |_: usize, i: usize| {
             let c = i % COLS;
-            act_f(act, xh[i] as f64 * sh[c] as f64 + bh[c] as f64)
+            reference::act_fwd(act, xh[i] as f64 * sh[c] as f64 + bh[c] as f64)
         };
         self.case(name, dt, "fwd", 2 * N as u64 + 2 * COLS as u64, &mut run, &reference)
     }
@@ -416,7 +274,7 @@ impl Tour {
         // dL/dz at element i, z = x * scale + bias.
         let dz = |i: usize| {
             let c = i % COLS;
-            gh[i] as f64 * act_d(act, xh[i] as f64 * sh[c] as f64 + bh[c] as f64)
+            reference::act_bwd(act, xh[i] as f64 * sh[c] as f64 + bh[c] as f64, gh[i] as f64)
         };
         let reference = |k: usize, i: usize| match k {
             0 => dz(i) * sh[i % COLS] as f64,
@@ -425,6 +283,14 @@ impl Tour {
         };
         self.case(name, dt, "bwd", 3 * N as u64 + 4 * COLS as u64, &mut run, &reference)
     }
+}
+
+/// `name(p, ...)`: the op's name and its parameters, if it has any.
+fn label(op: UnaryOp) -> String {
+    let info = ops::UNARY_OPS.iter().find(|i| i.name == op.name()).expect("every op is in the table");
+    let p = op.params();
+    let args: Vec<String> = (0..info.params.len()).map(|k| format!("{}", p[k])).collect();
+    if args.is_empty() { op.name().to_string() } else { format!("{}({})", op.name(), args.join(", ")) }
 }
 
 fn tour(dev: Device) -> Result<Vec<String>> {
@@ -444,53 +310,14 @@ fn tour(dev: Device) -> Result<Vec<String>> {
     println!("| op                     | dtype |   time us |     GB/s | % copy |   max err | check |");
     println!("|------------------------|-------|----------:|---------:|-------:|----------:|-------|");
 
-    let unary: [(&str, UnaryOp); 25] = [
-        ("neg", UnaryOp::Neg),
-        ("abs", UnaryOp::Abs),
-        ("exp", UnaryOp::Exp),
-        ("log", UnaryOp::Log),
-        ("expm1", UnaryOp::Expm1),
-        ("log1p", UnaryOp::Log1p),
-        ("erf", UnaryOp::Erf),
-        ("sqrt", UnaryOp::Sqrt),
-        ("rsqrt", UnaryOp::Rsqrt),
-        ("pow(3)", UnaryOp::Pow(3.0)),
-        ("clamp(-0.5, 0.5)", UnaryOp::Clamp { min: -0.5, max: 0.5 }),
-        ("add_scalar(1.5)", UnaryOp::AddScalar(1.5)),
-        ("sub_scalar(1.5)", UnaryOp::SubScalar(1.5)),
-        ("mul_scalar(1.5)", UnaryOp::MulScalar(1.5)),
-        ("div_scalar(1.5)", UnaryOp::DivScalar(1.5)),
-        ("identity", Activation::Identity.into()),
-        ("relu", Activation::Relu.into()),
-        ("leaky_relu", Activation::LEAKY_RELU.into()),
-        ("sigmoid", Activation::Sigmoid.into()),
-        ("tanh", Activation::Tanh.into()),
-        ("gelu", Activation::Gelu.into()),
-        ("gelu_tanh", Activation::GeluTanh.into()),
-        ("silu", Activation::Silu.into()),
-        ("mish", Activation::Mish.into()),
-        ("softplus", Activation::SOFTPLUS.into()),
-    ];
+    // Every op of the op table, forward and backward, with its parameters.
+    let unary: Vec<(String, UnaryOp)> = UnaryOp::all().into_iter().map(|op| (label(op), op)).collect();
     let f32_ = DType::F32;
-    for &(name, op) in &unary {
-        t.unary_fwd(name, op, f32_)?;
+    for (name, op) in &unary {
+        t.unary_fwd(name, *op, f32_)?;
     }
-    let bwd = [
-        "erf",
-        "rsqrt",
-        "pow(3)",
-        "clamp(-0.5, 0.5)",
-        "relu",
-        "sigmoid",
-        "tanh",
-        "gelu",
-        "gelu_tanh",
-        "silu",
-        "mish",
-        "softplus",
-    ];
-    for &(name, op) in unary.iter().filter(|(n, _)| bwd.contains(n)) {
-        t.unary_bwd(name, op, f32_)?;
+    for (name, op) in &unary {
+        t.unary_bwd(name, *op, f32_)?;
     }
     for (name, op) in [("add", BinaryOp::Add), ("sub", BinaryOp::Sub), ("mul", BinaryOp::Mul), ("div", BinaryOp::Div)] {
         t.binary_fwd(name, op, f32_)?;
@@ -509,9 +336,15 @@ fn tour(dev: Device) -> Result<Vec<String>> {
     t.fused_bwd("scale_bias_gelu", Activation::Gelu, f32_)?;
     t.fused_bwd("scale_bias_silu", Activation::Silu, f32_)?;
 
+    for &a in Activation::ALL {
+        t.unary_fwd(&label(a.into()), a.into(), DType::BF16)?;
+        t.unary_bwd(&label(a.into()), a.into(), DType::BF16)?;
+    }
     for dt in [DType::BF16, DType::F16] {
-        t.unary_fwd("gelu", Activation::Gelu.into(), dt)?;
-        t.unary_bwd("gelu", Activation::Gelu.into(), dt)?;
+        if dt == DType::F16 {
+            t.unary_fwd("gelu", Activation::Gelu.into(), dt)?;
+            t.unary_bwd("gelu", Activation::Gelu.into(), dt)?;
+        }
         t.unary_fwd("exp", UnaryOp::Exp, dt)?;
         t.binary_fwd("add", BinaryOp::Add, dt)?;
         t.fused_fwd("scale_bias_silu", Activation::Silu, dt)?;

@@ -15,117 +15,274 @@ use kernels_gpu::elementwise::{
 use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, PowForm, Unary};
 use kernels_gpu::{DType, Elem};
 
-/// An activation, usable alone ([`unary`]) or fused ([`scale_bias_act`]). Matches PyTorch's
-/// definitions, including `approximate="tanh"` GELU and softplus's `beta` and `threshold`.
+/// One row of the op table ([`kernels_gpu::unary_table`]) as data: what the Python package
+/// exports (`kernels_torch._native.UNARY_OPS`) and what tests, benches and tools iterate over.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Activation {
-    /// `x`.
-    Identity,
-    /// `max(x, 0)`; NaN stays NaN.
-    Relu,
-    /// `x` where `x > 0`, else `negative_slope * x` ([`Activation::LEAKY_RELU`]: PyTorch's 0.01).
-    LeakyRelu {
-        /// The slope below 0.
-        negative_slope: f32,
-    },
-    /// `1 / (1 + exp(-x))`.
-    Sigmoid,
-    /// `tanh(x)`.
-    Tanh,
-    /// `x * Phi(x)` with the exact normal CDF (erf form).
-    Gelu,
-    /// PyTorch's `gelu(x, approximate="tanh")`.
-    GeluTanh,
-    /// `x * sigmoid(x)`, also called Swish.
-    Silu,
-    /// `x * tanh(softplus(x))`.
-    Mish,
-    /// `log(1 + exp(beta * x)) / beta`, and `x` where `beta * x > threshold`.
-    Softplus {
-        /// The sharpness: finite and not 0.
-        beta: f32,
-        /// Above `beta * x > threshold` the function is `x` (PyTorch's linear region).
-        threshold: f32,
-    },
+pub struct UnaryInfo {
+    /// The op's name: its kernels', its `Tensor` method's and its Python function's.
+    pub name: &'static str,
+    /// Whether it is an [`Activation`] (else a [`UnaryOp`] of its own).
+    pub activation: bool,
+    /// Its parameters with PyTorch's defaults (activations) or the value the tests and benches
+    /// use (the math ops), in order.
+    pub params: &'static [(&'static str, f32)],
+    /// How its gradient follows from its output: `"y"` a kernel of its own, `"yx"` the backward
+    /// from `x` read at `y`, `"y1"` the gradient passes, `"-"` not at all.
+    pub from_output: &'static str,
+    /// Whether its tests and benches draw positive inputs only (its domain).
+    pub positive: bool,
+    /// PyTorch's version: a Python callable of `(x, *params)`.
+    pub torch: &'static str,
+    /// The `torch.nn` module it stands for (`""`: none).
+    pub module: &'static str,
+    /// One line of documentation.
+    pub doc: &'static str,
 }
 
-impl Activation {
-    /// PyTorch's defaults: `negative_slope = 0.01`.
-    pub const LEAKY_RELU: Activation = Activation::LeakyRelu { negative_slope: 0.01 };
-    /// PyTorch's defaults: `beta = 1`, `threshold = 20`.
-    pub const SOFTPLUS: Activation = Activation::Softplus { beta: 1.0, threshold: 20.0 };
+/// The user's parameters as the kernel's two, 0 past the op's own.
+fn pad(p: &[f32]) -> [f32; 2] {
+    [p.first().copied().unwrap_or(0.0), p.get(1).copied().unwrap_or(0.0)]
+}
 
-    /// The kernel-side op and its two scalar parameters.
-    pub fn kernel(self) -> (ActKernel, f32, f32) {
-        match self {
-            Activation::Identity => (ActKernel::Identity, 0.0, 0.0),
-            Activation::Relu => (ActKernel::Relu, 0.0, 0.0),
-            Activation::LeakyRelu { negative_slope } => (ActKernel::LeakyRelu, negative_slope, 0.0),
-            Activation::Sigmoid => (ActKernel::Sigmoid, 0.0, 0.0),
-            Activation::Tanh => (ActKernel::Tanh, 0.0, 0.0),
-            Activation::Gelu => (ActKernel::GeluErf, 0.0, 0.0),
-            Activation::GeluTanh => (ActKernel::GeluTanh, 0.0, 0.0),
-            Activation::Silu => (ActKernel::Silu, 0.0, 0.0),
-            Activation::Mish => (ActKernel::Mish, 0.0, 0.0),
-            Activation::Softplus { beta, threshold } => (ActKernel::Softplus, beta, threshold),
+/// How [`unary_backward_from_output`] computes an op's gradient from its output.
+enum FromOutput {
+    /// The derivative is 1: the gradient is the incoming one.
+    Passes,
+    /// A kernel of its own (`<op>_bwd_y_<dtype>`) reading `y`.
+    Kernel(OutputGrad),
+    /// The backward kernel from `x` gives the same result when it reads `y`: the derivative is a
+    /// constant (neg, multiplication and division by a scalar), or depends only on the sign,
+    /// which the op keeps (relu; leaky relu with a slope of at least 0).
+    SameKernel,
+}
+
+/// The `y` column of a table row as a [`FromOutput`], for the op `$Ty` with parameters `$p`.
+macro_rules! from_output {
+    (y, $Ty:ident, $p:expr) => {
+        Some(FromOutput::Kernel(OutputGrad::$Ty))
+    };
+    (yx, $Ty:ident, $p:expr) => {
+        Unary::$Ty.from_output($p).then_some(FromOutput::SameKernel)
+    };
+    (y1, $Ty:ident, $p:expr) => {
+        Some(FromOutput::Passes)
+    };
+    (-, $Ty:ident, $p:expr) => {
+        None
+    };
+}
+
+/// Generates the public enums [`Activation`] and [`UnaryOp`], their kernels and parameters, the
+/// `Tensor` methods and [`UNARY_OPS`] from the rows of [`kernels_gpu::unary_table`]. First each
+/// row's parameters are normalised (`{}`, `(s = v)` or `{a = v, b = w}` into the variant's
+/// fields, its pattern, its names and defaults), and the rows split into activations and math.
+macro_rules! unary_api {
+    ([] $($rows:tt)*) => { unary_api!(@norm [] [] $($rows)*); };
+    (@norm [$($act:tt)*] [$($math:tt)*]) => { unary_api!(@gen [$($act)*] [$($math)*]); };
+    (@norm $acts:tt $maths:tt $kind:ident $stem:ident $Ty:ident {} $($rest:tt)*) => {
+        unary_api!(@row $acts $maths $kind $stem $Ty [] [] [] [] [] $($rest)*);
+    };
+    (@norm $acts:tt $maths:tt $kind:ident $stem:ident $Ty:ident ($p:ident = $v:expr) $($rest:tt)*) => {
+        unary_api!(@row $acts $maths $kind $stem $Ty [(f32)] [($p)] [($v)] [$p] [$v] $($rest)*);
+    };
+    (@norm $acts:tt $maths:tt $kind:ident $stem:ident $Ty:ident {$($p:ident = $v:expr),+} $($rest:tt)*) => {
+        unary_api!(@row $acts $maths $kind $stem $Ty [{ $(#[doc = concat!("`", stringify!($p), "`, PyTorch's parameter of that name.")] $p: f32),+ }] [{ $($p),+ }] [{ $($p: $v),+ }] [$($p)+] [$($v)+] $($rest)*);
+    };
+    (@row [$($act:tt)*] $maths:tt act $stem:ident $Ty:ident $decl:tt $pat:tt $ctor:tt $names:tt $defaults:tt
+        $y:tt $dom:ident $torch:literal $module:literal $doc:literal; $($rest:tt)*) => {
+        unary_api!(@norm [$($act)* { $stem $Ty $decl $pat $ctor $names $defaults $y $dom $torch $module $doc }] $maths $($rest)*);
+    };
+    (@row $acts:tt [$($math:tt)*] math $stem:ident $Ty:ident $decl:tt $pat:tt $ctor:tt $names:tt $defaults:tt
+        $y:tt $dom:ident $torch:literal $module:literal $doc:literal; $($rest:tt)*) => {
+        unary_api!(@norm $acts [$($math)* { $stem $Ty $decl $pat $ctor $names $defaults $y $dom $torch $module $doc }] $($rest)*);
+    };
+    (@gen
+        [$({ $astem:ident $ATy:ident [$($adecl:tt)*] [$($apat:tt)*] [$($actor:tt)*] [$($ap:ident)*] [$($av:expr)*]
+             $ay:tt $adom:ident $atorch:literal $amodule:literal $adoc:literal })*]
+        [$({ $mstem:ident $MTy:ident [$($mdecl:tt)*] [$($mpat:tt)*] [$($mctor:tt)*] [$($mp:ident)*] [$($mv:expr)*]
+             $my:tt $mdom:ident $mtorch:literal $mmodule:literal $mdoc:literal })*]
+    ) => {
+        /// An activation, usable alone ([`unary`]) or fused ([`scale_bias_act`], the linear
+        /// layer's epilogue where the GEMM has it). Matches PyTorch's definitions and parameter
+        /// names; [`Activation::ALL`] holds each with PyTorch's defaults.
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub enum Activation {
+            $( #[doc = $adoc] $ATy $($adecl)*, )*
         }
-    }
 
-    fn validate(self, op: &'static str) -> Result<()> {
-        if let Activation::Softplus { beta, threshold } = self
-            && (beta == 0.0 || !beta.is_finite() || threshold.is_nan())
-        {
-            return Err(Error::InvalidArgument {
-                op,
-                message: format!("softplus needs a finite non-zero beta and a threshold, got {beta}, {threshold}"),
-            });
+        /// A unary op: math, arithmetic with a scalar, or an activation.
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub enum UnaryOp {
+            $( #[doc = $mdoc] $MTy $($mdecl)*, )*
+            /// An activation.
+            Act(Activation),
         }
-        Ok(())
-    }
+
+        impl Activation {
+            /// Every activation, with PyTorch's default parameters, in the table's order.
+            pub const ALL: &'static [Activation] = &[$(Activation::$ATy $($actor)*),*];
+
+            /// The activation's name (its kernels', method's and Python function's).
+            pub const fn name(self) -> &'static str {
+                match self { $(Activation::$ATy { .. } => stringify!($astem)),* }
+            }
+
+            /// The activation called `name` with parameters `p` (in its row's order, extra ones
+            /// ignored), or `None` for an unknown name.
+            pub fn from_name(name: &str, p: [f32; 2]) -> Option<Activation> {
+                match name {
+                    $(stringify!($astem) => {
+                        #[allow(unused_variables)]
+                        let [$($ap,)* ..] = p;
+                        Some(Activation::$ATy $($apat)*)
+                    })*
+                    _ => None,
+                }
+            }
+
+            /// The user's parameters, in the row's order, 0 past them.
+            pub fn params(self) -> [f32; 2] {
+                match self { $(Activation::$ATy $($apat)* => pad(&[$($ap),*])),* }
+            }
+
+            /// The kernel-side op and its two scalar parameters ([`UnaryFn::params`]).
+            ///
+            /// [`UnaryFn::params`]: kernels_gpu::ops::UnaryFn::params
+            pub fn kernel(self) -> (ActKernel, f32, f32) {
+                let k = match self { $(Activation::$ATy { .. } => ActKernel::$ATy),* };
+                let [a, b] = self.unary().params(self.params());
+                (k, a, b)
+            }
+
+            /// The unary kernel of the activation (the same op, under the same name).
+            fn unary(self) -> Unary {
+                match self { $(Activation::$ATy { .. } => Unary::$ATy),* }
+            }
+
+            fn validate(self, op: &'static str) -> Result<()> {
+                self.unary().check(self.params()).map_err(|m| Error::InvalidArgument { op, message: m.into() })
+            }
+
+            fn from_output(self) -> Option<FromOutput> {
+                match self { $(Activation::$ATy { .. } => from_output!($ay, $ATy, self.params())),* }
+            }
+        }
+
+        impl UnaryOp {
+            /// Every op: each math op with the value its tests and benches use, then every
+            /// activation with PyTorch's defaults.
+            pub fn all() -> Vec<UnaryOp> {
+                let mut v = vec![$(UnaryOp::$MTy $($mctor)*),*];
+                v.extend(Activation::ALL.iter().map(|&a| UnaryOp::Act(a)));
+                v
+            }
+
+            /// The op called `name` (an activation's too) with parameters `p` (in its row's
+            /// order, extra ones ignored), or `None` for an unknown name.
+            pub fn from_name(name: &str, p: [f32; 2]) -> Option<UnaryOp> {
+                match name {
+                    $(stringify!($mstem) => {
+                        #[allow(unused_variables)]
+                        let [$($mp,)* ..] = p;
+                        Some(UnaryOp::$MTy $($mpat)*)
+                    })*
+                    _ => Activation::from_name(name, p).map(UnaryOp::Act),
+                }
+            }
+
+            /// The op's name (its kernels', method's and Python function's).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(UnaryOp::$MTy { .. } => stringify!($mstem),)*
+                    UnaryOp::Act(a) => a.name(),
+                }
+            }
+
+            /// The user's parameters, in the row's order, 0 past them.
+            pub fn params(self) -> [f32; 2] {
+                match self {
+                    $(UnaryOp::$MTy $($mpat)* => pad(&[$($mp),*]),)*
+                    UnaryOp::Act(a) => a.params(),
+                }
+            }
+
+            /// The kernel-side op and its two scalar parameters ([`UnaryFn::params`]: e.g. the
+            /// reciprocal of `DivScalar`'s divisor, rounded once here, as PyTorch divides).
+            ///
+            /// [`UnaryFn::params`]: kernels_gpu::ops::UnaryFn::params
+            pub fn kernel(self) -> (Unary, f32, f32) {
+                let k = match self {
+                    $(UnaryOp::$MTy { .. } => Unary::$MTy,)*
+                    UnaryOp::Act(a) => a.unary(),
+                };
+                let [a, b] = k.params(self.params());
+                (k, a, b)
+            }
+
+            /// Whether the derivative is 1 everywhere, so that the gradient is the incoming one.
+            pub fn passes_gradient(self) -> bool {
+                matches!(self.from_output(), Some(FromOutput::Passes))
+            }
+
+            fn validate(self, op: &'static str) -> Result<()> {
+                let (k, ..) = self.kernel();
+                k.check(self.params()).map_err(|m| Error::InvalidArgument { op, message: m.into() })
+            }
+
+            fn from_output(self) -> Option<FromOutput> {
+                match self {
+                    $(UnaryOp::$MTy { .. } => from_output!($my, $MTy, self.params()),)*
+                    UnaryOp::Act(a) => a.from_output(),
+                }
+            }
+        }
+
+        /// The op table as data, in its order ([`UnaryInfo`]).
+        pub const UNARY_OPS: &[UnaryInfo] = &[
+            $(UnaryInfo {
+                name: stringify!($mstem),
+                activation: false,
+                params: &[$((stringify!($mp), $mv)),*],
+                from_output: stringify!($my),
+                positive: unary_api!(@positive $mdom),
+                torch: $mtorch,
+                module: $mmodule,
+                doc: $mdoc,
+            },)*
+            $(UnaryInfo {
+                name: stringify!($astem),
+                activation: true,
+                params: &[$((stringify!($ap), $av)),*],
+                from_output: stringify!($ay),
+                positive: unary_api!(@positive $adom),
+                torch: $atorch,
+                module: $amodule,
+                doc: $adoc,
+            },)*
+        ];
+
+        /// Every unary op and activation as a method (`x.gelu()`, `x.leaky_relu(0.01)`,
+        /// `x.clamp(min, max)`), each one kernel; parameters as in [`UnaryOp`] and [`Activation`].
+        impl Tensor {
+            $(
+                #[doc = $mdoc]
+                pub fn $mstem(&self, $($mp: f32),*) -> Result<Tensor> {
+                    unary(self, UnaryOp::$MTy $($mpat)*)
+                }
+            )*
+            $(
+                #[doc = $adoc]
+                pub fn $astem(&self, $($ap: f32),*) -> Result<Tensor> {
+                    unary(self, Activation::$ATy $($apat)*)
+                }
+            )*
+        }
+    };
+    (@positive positive) => { true };
+    (@positive normal) => { false };
 }
 
-/// A unary op: math, arithmetic with a scalar, or an activation.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryOp {
-    /// `-x`.
-    Neg,
-    /// `|x|` (derivative `sign(x)`, 0 at 0, as PyTorch).
-    Abs,
-    /// `e^x`.
-    Exp,
-    /// The natural logarithm (NaN below 0, `-inf` at 0).
-    Log,
-    /// `e^x - 1`, accurate near 0.
-    Expm1,
-    /// `log(1 + x)`, accurate near 0.
-    Log1p,
-    /// The error function.
-    Erf,
-    /// `sqrt(x)` (NaN below 0).
-    Sqrt,
-    /// `1 / sqrt(x)`.
-    Rsqrt,
-    /// `x ^ p`.
-    Pow(f32),
-    /// `min(max(x, min), max)`, NaN propagated.
-    Clamp {
-        /// The lower bound.
-        min: f32,
-        /// The upper bound.
-        max: f32,
-    },
-    /// `x + s`.
-    AddScalar(f32),
-    /// `x - s`.
-    SubScalar(f32),
-    /// `x * s`.
-    MulScalar(f32),
-    /// `x / s`, computed as PyTorch computes a division by a scalar: `x * (1 / s)`, the
-    /// reciprocal rounded once (so within two roundings of the quotient, and PyTorch's bits).
-    DivScalar(f32),
-    /// An activation.
-    Act(Activation),
-}
+kernels_gpu::unary_table!(unary_api);
 
 impl From<Activation> for UnaryOp {
     fn from(a: Activation) -> Self {
@@ -134,49 +291,21 @@ impl From<Activation> for UnaryOp {
 }
 
 impl UnaryOp {
-    /// Whether the derivative is 1 everywhere, so that the gradient is the incoming one.
-    pub fn passes_gradient(self) -> bool {
-        matches!(self, UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::Act(Activation::Identity))
-    }
-
-    /// The kernel-side op and its two scalar parameters.
-    pub fn kernel(self) -> (Unary, f32, f32) {
-        match self {
-            UnaryOp::Neg => (Unary::Neg, 0.0, 0.0),
-            UnaryOp::Abs => (Unary::Abs, 0.0, 0.0),
-            UnaryOp::Exp => (Unary::Exp, 0.0, 0.0),
-            UnaryOp::Log => (Unary::Log, 0.0, 0.0),
-            UnaryOp::Expm1 => (Unary::Expm1, 0.0, 0.0),
-            UnaryOp::Log1p => (Unary::Log1p, 0.0, 0.0),
-            UnaryOp::Erf => (Unary::Erf, 0.0, 0.0),
-            UnaryOp::Sqrt => (Unary::Sqrt, 0.0, 0.0),
-            UnaryOp::Rsqrt => (Unary::Rsqrt, 0.0, 0.0),
-            UnaryOp::Pow(p) => (Unary::Pow, p, 0.0),
-            UnaryOp::Clamp { min, max } => (Unary::Clamp, min, max),
-            UnaryOp::AddScalar(s) => (Unary::AddScalar, s, 0.0),
-            UnaryOp::SubScalar(s) => (Unary::SubScalar, s, 0.0),
-            UnaryOp::MulScalar(s) => (Unary::MulScalar, s, 0.0),
-            // The reciprocal, rounded once here, as PyTorch computes a division by a scalar.
-            UnaryOp::DivScalar(s) => (Unary::DivScalar, s, 1.0 / s),
-            UnaryOp::Act(a) => {
-                let (k, a, b) = a.kernel();
-                (act_as_unary(k), a, b)
+    /// Whether (and how) `op'(x)` can be computed from `y = op(x)`; an error naming the op if not.
+    fn grad_from_output(self, name: &'static str) -> Result<FromOutput> {
+        self.validate(name)?;
+        self.from_output().ok_or_else(|| {
+            let able: Vec<&str> = UNARY_OPS.iter().filter(|o| o.from_output != "-").map(|o| o.name).collect();
+            Error::InvalidArgument {
+                op: name,
+                message: format!(
+                    "the derivative of {self:?} is not a function of its output; use unary_backward with the input \
+                     (from the output: {}; leaky_relu with a slope >= 0)",
+                    able.join(", ")
+                ),
             }
-        }
+        })
     }
-
-    fn validate(self, op: &'static str) -> Result<()> {
-        match self {
-            UnaryOp::Act(a) => a.validate(op),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The unary kernel of an activation (activations are also unary ops, under the same stem).
-fn act_as_unary(a: ActKernel) -> Unary {
-    let u = Unary::ALL.iter().find(|u| u.stem() == a.stem());
-    *u.expect("every activation is in the unary list (checked by a test)")
 }
 
 /// A binary op.
@@ -357,52 +486,6 @@ fn launch_unary_bwd(
         // borrowed mutably, so it aliases neither input.
         unsafe { x.device().launch(kernel, cfg, args) }
     })
-}
-
-/// How [`unary_backward_from_output`] computes an op's gradient from its output.
-enum FromOutput {
-    /// The derivative is 1: the gradient is the incoming one.
-    Passes,
-    /// A kernel of its own (`<op>_bwd_y_<dtype>`) reading `y`.
-    Kernel(OutputGrad),
-    /// The backward kernel from `x` gives the same result when it reads `y`: the derivative is a
-    /// constant (neg, multiplication and division by a scalar), or depends only on the sign,
-    /// which the op keeps (relu; leaky relu with a slope of at least 0).
-    SameKernel,
-}
-
-impl UnaryOp {
-    /// Whether (and how) `op'(x)` can be computed from `y = op(x)`; an error naming the op if not.
-    fn grad_from_output(self, name: &'static str) -> Result<FromOutput> {
-        self.validate(name)?;
-        Ok(match self {
-            UnaryOp::AddScalar(_) | UnaryOp::SubScalar(_) | UnaryOp::Act(Activation::Identity) => FromOutput::Passes,
-            UnaryOp::Exp => FromOutput::Kernel(OutputGrad::Exp),
-            UnaryOp::Sqrt => FromOutput::Kernel(OutputGrad::Sqrt),
-            UnaryOp::Rsqrt => FromOutput::Kernel(OutputGrad::Rsqrt),
-            UnaryOp::Act(Activation::Sigmoid) => FromOutput::Kernel(OutputGrad::Sigmoid),
-            UnaryOp::Act(Activation::Tanh) => FromOutput::Kernel(OutputGrad::Tanh),
-            UnaryOp::Neg | UnaryOp::MulScalar(_) | UnaryOp::DivScalar(_) | UnaryOp::Act(Activation::Relu) => {
-                FromOutput::SameKernel
-            }
-            // y > 0 exactly where x > 0 when the slope is at least 0 (NaN: NaN either way).
-            UnaryOp::Act(Activation::LeakyRelu { negative_slope })
-                if negative_slope >= 0.0 || negative_slope.is_nan() =>
-            {
-                FromOutput::SameKernel
-            }
-            _ => {
-                return Err(Error::InvalidArgument {
-                    op: name,
-                    message: format!(
-                        "the derivative of {self:?} is not a function of its output; use unary_backward with the \
-                         input (from the output: exp, sqrt, rsqrt, sigmoid, tanh, relu, leaky_relu with a slope >= 0, \
-                         identity and the scalar arithmetic)"
-                    ),
-                });
-            }
-        })
-    }
 }
 
 /// Gradient of `op` from its output `y = op(x)` instead of its input: `op'(x) * grad` written
@@ -799,10 +882,46 @@ fn launch_row_bwd_into(
 mod tests {
     use super::*;
 
+    /// The public enums, the kernel-side ones and the table's data come from one table: the
+    /// same ops in the same order, under the same names, with the table's parameters.
     #[test]
-    fn every_activation_is_a_unary_op() {
-        for a in ActKernel::ALL {
-            assert_eq!(act_as_unary(*a).stem(), a.stem());
+    fn the_op_table_is_one() {
+        let ops = UnaryOp::all();
+        assert_eq!(ops.len(), Unary::ALL.len());
+        assert_eq!(ops.len(), UNARY_OPS.len());
+        for ((op, k), info) in ops.iter().zip(Unary::ALL).zip(UNARY_OPS) {
+            assert_eq!(op.kernel().0, *k);
+            assert_eq!(op.name(), k.stem());
+            assert_eq!(info.name, k.stem());
+            assert_eq!(info.activation, matches!(op, UnaryOp::Act(_)));
+            let p = op.params();
+            for (i, &(_, v)) in info.params.iter().enumerate() {
+                assert_eq!(p[i], v, "{}", info.name);
+            }
+            assert_eq!(op.passes_gradient(), info.from_output == "y1", "{}", info.name);
         }
+        assert_eq!(Activation::ALL.len(), ActKernel::ALL.len());
+        for (a, k) in Activation::ALL.iter().zip(ActKernel::ALL) {
+            assert_eq!(a.kernel().0, *k);
+            assert_eq!(a.name(), k.stem());
+            assert_eq!(Activation::from_name(a.name(), a.params()), Some(*a));
+        }
+        assert_eq!(Activation::from_name("nope", [0.0; 2]), None);
+        let ys: Vec<&str> = UNARY_OPS.iter().filter(|o| o.from_output == "y").map(|o| o.name).collect();
+        assert_eq!(ys, OutputGrad::ALL.iter().map(|o| o.stem()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn derived_parameters_and_checks() {
+        assert_eq!(UnaryOp::DivScalar(4.0).kernel(), (Unary::DivScalar, 4.0, 0.25));
+        let (k, a, b) = UnaryOp::Act(Activation::Celu { alpha: 2.0 }).kernel();
+        assert_eq!((k, a, b), (Unary::Celu, 2.0, 0.5));
+        assert!(Activation::Celu { alpha: 0.0 }.validate("t").is_err());
+        assert!(Activation::Softplus { beta: 0.0, threshold: 20.0 }.validate("t").is_err());
+        assert!(Activation::Softplus { beta: 1.0, threshold: f32::NAN }.validate("t").is_err());
+        assert!(Activation::Elu { alpha: -1.0 }.validate("t").is_ok());
+        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: -0.5 }).from_output().is_none());
+        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: 0.5 }).from_output().is_some());
+        assert!(UnaryOp::Act(Activation::Gelu).grad_from_output("t").is_err());
     }
 }

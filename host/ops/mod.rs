@@ -305,18 +305,6 @@ pub(crate) fn row_matches(
     shapes_match(op, &[x_shape.last().copied().unwrap_or(1)], row_shape, detail)
 }
 
-macro_rules! unary_methods {
-    ($($(#[$m:meta])* $name:ident => $op:expr;)*) => {
-        $( $(#[$m])* pub fn $name(&self) -> Result<Tensor> { unary(self, $op) } )*
-    };
-}
-
-macro_rules! unary_scalar_methods {
-    ($($(#[$m:meta])* $name:ident => $op:path;)*) => {
-        $( $(#[$m])* pub fn $name(&self, s: f32) -> Result<Tensor> { unary(self, $op(s)) } )*
-    };
-}
-
 macro_rules! binary_methods {
     ($($name:ident, $row:ident => $op:expr;)*) => {
         $(
@@ -328,68 +316,11 @@ macro_rules! binary_methods {
     };
 }
 
-/// Shorthands for the ops, as methods.
+/// The binary ops as methods (the unary ops' come from their table: `ops::elementwise`).
 impl Tensor {
-    unary_methods! {
-        /// `-x`.
-        neg => UnaryOp::Neg;
-        /// `|x|`.
-        abs => UnaryOp::Abs;
-        /// `e^x`.
-        exp => UnaryOp::Exp;
-        /// The natural logarithm.
-        log => UnaryOp::Log;
-        /// `e^x - 1`.
-        expm1 => UnaryOp::Expm1;
-        /// `log(1 + x)`.
-        log1p => UnaryOp::Log1p;
-        /// The error function.
-        erf => UnaryOp::Erf;
-        /// `sqrt(x)`.
-        sqrt => UnaryOp::Sqrt;
-        /// `1 / sqrt(x)`.
-        rsqrt => UnaryOp::Rsqrt;
-        /// `max(x, 0)`.
-        relu => Activation::Relu;
-        /// `1 / (1 + e^-x)`.
-        sigmoid => Activation::Sigmoid;
-        /// `tanh(x)`.
-        tanh => Activation::Tanh;
-        /// GELU, erf form (PyTorch's default).
-        gelu => Activation::Gelu;
-        /// GELU, tanh approximation.
-        gelu_tanh => Activation::GeluTanh;
-        /// SiLU, also called Swish.
-        silu => Activation::Silu;
-        /// `x * tanh(softplus(x))`.
-        mish => Activation::Mish;
-        /// Softplus with PyTorch's defaults (beta 1, threshold 20).
-        softplus => Activation::SOFTPLUS;
-    }
-    unary_scalar_methods! {
-        /// `x + s`.
-        add_scalar => UnaryOp::AddScalar;
-        /// `x - s`.
-        sub_scalar => UnaryOp::SubScalar;
-        /// `x * s`.
-        mul_scalar => UnaryOp::MulScalar;
-        /// `x / s`.
-        div_scalar => UnaryOp::DivScalar;
-        /// `x ^ p`.
-        pow_scalar => UnaryOp::Pow;
-    }
     binary_methods! {
         add, add_row => BinaryOp::Add; sub, sub_row => BinaryOp::Sub;
         mul, mul_row => BinaryOp::Mul; div, div_row => BinaryOp::Div;
-    }
-
-    /// `x` where `x > 0`, else `negative_slope * x`.
-    pub fn leaky_relu(&self, negative_slope: f32) -> Result<Tensor> {
-        unary(self, Activation::LeakyRelu { negative_slope })
-    }
-    /// `min(max(x, min), max)`, NaN propagated.
-    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
-        unary(self, UnaryOp::Clamp { min, max })
     }
 }
 

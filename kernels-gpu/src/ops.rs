@@ -60,6 +60,24 @@ pub trait UnaryFn {
     /// Where the math sets the pace, more elements share a thread's work outside them (the index,
     /// the form's dispatch, a setup from the parameters).
     const CHUNK: [(usize, bool); MAX_FORMS as usize] = [(0, true); MAX_FORMS as usize];
+    /// The kernel's `(a, b)` from the op's parameters as the user gives them (in the order of its
+    /// row in [`unary_table`], 0 past them), computed once on the host: where an op wants a
+    /// derived value (a reciprocal) rounded once per launch instead of once per element.
+    #[inline(always)]
+    fn params(p: [f32; 2]) -> [f32; 2] {
+        p
+    }
+    /// Why the user's parameters are refused, if they are (checked on the host before a launch).
+    #[inline(always)]
+    fn check(_p: [f32; 2]) -> Result<(), &'static str> {
+        Ok(())
+    }
+    /// For the ops marked `yx` in [`unary_table`]: whether, with these parameters, the backward
+    /// from `x` read at `y = f(x)` is still the gradient (leaky relu's slope must keep the sign).
+    #[inline(always)]
+    fn from_output(_p: [f32; 2]) -> bool {
+        true
+    }
 }
 
 /// The most forms an op may have ([`UnaryFn::FORMS`]): [`by_form!`](crate::by_form) spells out
@@ -150,7 +168,10 @@ macro_rules! unary {
             $name, |$x, $a, $b| $fwd, |$gx, $g, $ga, $gb| $bwd
         );
     };
-    ($(#[$m:meta])* $name:ident, |$x:ident, $a:ident, $b:ident| $fwd:expr, |$gx:ident, $g:ident, $ga:ident, $gb:ident| $bwd:expr) => {
+    ($(#[$m:meta])* $name:ident, |$x:ident, $a:ident, $b:ident| $fwd:expr, |$gx:ident, $g:ident, $ga:ident, $gb:ident| $bwd:expr
+        $(; params: |$pp:ident| $params:expr)?
+        $(; check: |$cp:ident| $check:expr)?
+    ) => {
         $(#[$m])*
         pub struct $name;
         impl UnaryFn for $name {
@@ -164,6 +185,16 @@ macro_rules! unary {
             fn bwd($gx: f32, $g: f32, $ga: f32, $gb: f32) -> f32 {
                 $bwd
             }
+            $(
+                fn params($pp: [f32; 2]) -> [f32; 2] {
+                    $params
+                }
+            )?
+            $(
+                fn check($cp: [f32; 2]) -> Result<(), &'static str> {
+                    $check
+                }
+            )?
         }
     };
 }
@@ -181,7 +212,8 @@ unary!(
     /// a slow-path branch per element (0.96-0.98x PyTorch at 2^16).
     DivScalar,
     |x, a, b| x * b,
-    |x, g, a, b| g * b
+    |x, g, a, b| g * b;
+    params: |p| [p[0], 1.0 / p[0]]
 );
 
 // --- math ---------------------------------------------------------------------------------------
@@ -388,7 +420,22 @@ unary!(
 // --- activations ----------------------------------------------------------------------------------
 // relu(NaN) = NaN (the comparison is false); the gradient at 0 is 0, as threshold_backward.
 unary!(Relu, |x, a, b| if x <= 0.0 { 0.0 } else { x }, |x, g, a, b| if x <= 0.0 { 0.0 } else { g });
-unary!(LeakyRelu, |x, a, b| if x > 0.0 { x } else { x * a }, |x, g, a, b| if x > 0.0 { g } else { g * a });
+/// `x` where `x > 0`, else `a x`; backward `g` or `g a`. From the output where `a >= 0` (or NaN):
+/// then `y > 0` exactly where `x > 0`.
+pub struct LeakyRelu;
+impl UnaryFn for LeakyRelu {
+    #[inline(always)]
+    fn fwd(x: f32, a: f32, _: f32) -> f32 {
+        if x > 0.0 { x } else { x * a }
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, a: f32, _: f32) -> f32 {
+        if x > 0.0 { g } else { g * a }
+    }
+    fn from_output(p: [f32; 2]) -> bool {
+        p[0] >= 0.0 || p[0].is_nan()
+    }
+}
 /// The logistic function: `1 / (1 + e^-x)` with the f32 exp and an IEEE division for f32
 /// storage; for f16/bf16 `fastmath::sigmoid_half` (the special function unit's 2^x and
 /// reciprocal), six instructions instead of about thirty.
@@ -456,8 +503,8 @@ const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
 ///   the scale `|g| (2 + |x|) 8 ulp` (PyTorch's `cdf + x pdf` cancels there), and Phi's 2^-23 and
 ///   phi's 2^-22 relative stay under a quarter of it. With erf and the f32 exp it was
 ///   0.88x PyTorch in f32.
-pub struct GeluErf;
-impl UnaryFn for GeluErf {
+pub struct Gelu;
+impl UnaryFn for Gelu {
     #[inline(always)]
     fn fwd(x: f32, _: f32, _: f32) -> f32 {
         0.5 * x * (1.0 + math::erf(x * FRAC_1_SQRT_2))
@@ -661,9 +708,103 @@ unary!(
             let e = math::exp(z);
             g * e / (e + 1.0)
         }
+    };
+    check: |p| if p[0] == 0.0 || !p[0].is_finite() || p[1].is_nan() {
+        Err("softplus needs a finite non-zero beta and a threshold that is not NaN")
+    } else {
+        Ok(())
     }
 );
 unary!(Identity, |x, a, b| x, |x, g, a, b| g);
+
+// --- the exponential linear units and the hard and soft saturating activations --------------------
+// PyTorch's ELU family (`elu`, `selu`, `celu` are one kernel there): `x` above 0, else
+// `s a expm1(x c)`, with the derivative `g s a c exp(x c)` at and below 0 (its `x <= 0` test, so a
+// NaN takes the linear branch). expm1 keeps the relative accuracy near 0 where `exp(x) - 1` cancels.
+#[inline(always)]
+fn elu_fwd(x: f32, scale: f32, alpha: f32, input_scale: f32) -> f32 {
+    if x <= 0.0 { math::expm1(x * input_scale) * (alpha * scale) } else { x * scale }
+}
+#[inline(always)]
+fn elu_bwd(x: f32, g: f32, scale: f32, alpha: f32, input_scale: f32) -> f32 {
+    if x <= 0.0 { g * (input_scale * (alpha * scale)) * math::exp(x * input_scale) } else { g * scale }
+}
+unary!(
+    /// `x` for `x > 0`, else `alpha (e^x - 1)` (PyTorch's `elu`); backward `g alpha e^x` at and
+    /// below 0.
+    Elu,
+    |x, a, b| elu_fwd(x, 1.0, a, 1.0),
+    |x, g, a, b| elu_bwd(x, g, 1.0, a, 1.0)
+);
+/// SELU's `alpha` and `scale` (Klambauer et al.), PyTorch's `SELU_ALPHA` and `SELU_SCALE`.
+pub const SELU_ALPHA: f32 = 1.673_263_2;
+/// See [`SELU_ALPHA`].
+pub const SELU_SCALE: f32 = 1.050_701;
+unary!(
+    /// `scale x` for `x > 0`, else `scale alpha (e^x - 1)`, with [`SELU_SCALE`] and [`SELU_ALPHA`].
+    Selu,
+    |x, a, b| elu_fwd(x, SELU_SCALE, SELU_ALPHA, 1.0),
+    |x, g, a, b| elu_bwd(x, g, SELU_SCALE, SELU_ALPHA, 1.0)
+);
+/// `x` for `x > 0`, else `alpha (e^(x / alpha) - 1)` (PyTorch's `celu`). The kernel's parameters
+/// are `alpha` and `1 / alpha`, rounded once on the host, as PyTorch passes them to its ELU kernel
+/// (`UnaryFn::params`): the quotient is a product, as there.
+pub struct Celu;
+impl UnaryFn for Celu {
+    #[inline(always)]
+    fn fwd(x: f32, a: f32, b: f32) -> f32 {
+        elu_fwd(x, 1.0, a, b)
+    }
+    #[inline(always)]
+    fn bwd(x: f32, g: f32, a: f32, b: f32) -> f32 {
+        elu_bwd(x, g, 1.0, a, b)
+    }
+    fn params(p: [f32; 2]) -> [f32; 2] {
+        [p[0], 1.0 / p[0]]
+    }
+    fn check(p: [f32; 2]) -> Result<(), &'static str> {
+        if p[0] == 0.0 { Err("celu's alpha must not be 0") } else { Ok(()) }
+    }
+}
+/// `min(max(x + 3, 0), 6)`, NaN propagated (PyTorch's `std::min(std::max(..))` order).
+#[inline(always)]
+fn relu6_shift3(x: f32) -> f32 {
+    let t = x + 3.0;
+    let t = if t < 0.0 { 0.0 } else { t };
+    if 6.0 < t { 6.0 } else { t }
+}
+unary!(
+    /// `x min(max(x + 3, 0), 6) / 6` (PyTorch's `hardswish`, its division by 6 kept for its
+    /// bits); backward `g (x / 3 + 1/2)` on `[-3, 3]`, 0 below, `g` above (a NaN `x` gives `g`,
+    /// as PyTorch's chain of comparisons).
+    Hardswish,
+    |x, a, b| x * relu6_shift3(x) / 6.0,
+    |x, g, a, b| if x < -3.0 {
+        0.0
+    } else if x <= 3.0 {
+        g * (x / 3.0 + 0.5)
+    } else {
+        g
+    }
+);
+unary!(
+    /// `min(max(x + 3, 0), 6) / 6` (PyTorch's `hardsigmoid`); backward `g / 6` strictly inside
+    /// `(-3, 3)`, else 0.
+    Hardsigmoid,
+    |x, a, b| relu6_shift3(x) / 6.0,
+    |x, g, a, b| if x > -3.0 && x < 3.0 { g * (1.0 / 6.0) } else { 0.0 }
+);
+unary!(
+    /// `x / (1 + |x|)` (PyTorch's `softsign`, which it composes from three kernels); backward
+    /// `g / (1 + |x|)^2`, exactly 0 at `x = +-inf` where PyTorch's autograd of the composition
+    /// gives NaN.
+    Softsign,
+    |x, a, b| x / (1.0 + abs(x)),
+    |x, g, a, b| {
+        let d = 1.0 + abs(x);
+        g / (d * d)
+    }
+);
 
 // --- binary -------------------------------------------------------------------------------------
 macro_rules! binary {
@@ -749,39 +890,117 @@ impl OutputGradFn for Tanh {
     }
 }
 
-/// The op lists. Each passes its whole list, `stem Type` pairs, to `$m!` in one invocation:
-/// the device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the host side
-/// gets the enums below and their kernel names from the same list, so the two cannot differ.
+/// The element-wise op table: every unary op and activation, one row each, declared once.
+///
+/// A row is `kind stem Type params y domain torch module doc;`:
+/// - `kind`: `math` (a [`UnaryOp`](../../kernels/ops/enum.UnaryOp.html) of its own) or `act`
+///   (an activation, also usable in the fused `act(x * scale + bias)` and, where the GEMM has it,
+///   in the matrix products' epilogue);
+/// - `stem`: the name everywhere (kernels `<stem>_fwd_<dtype>`, ..., the `Tensor` method, the
+///   Python function, the benches);
+/// - `Type`: the formula's type in this module ([`UnaryFn`]) and the public enum variant's name;
+/// - `params`: `{}`, `(name = value)` or `{name = value, ...}` (at most two, f32): the variant's
+///   form and fields; the values are PyTorch's defaults for activations and the value the tests
+///   and benches use for the math ops;
+/// - `y`: how the gradient follows from the output `y = f(x)` (PyTorch's autograd keeps `y`
+///   for these): `y` by a kernel of its own ([`OutputGradFn`]), `yx` by the backward from `x`
+///   read at `y` (a constant derivative, or one that depends on the sign alone, which the op
+///   keeps; see [`UnaryFn::from_output`]), `y1` the derivative is 1 (the gradient passes), `-`
+///   not at all;
+/// - `domain`: `normal` or `positive`, the inputs the tests and benches draw;
+/// - `torch`: PyTorch's version, a Python callable of `(x, *params)` (with `torch` and
+///   `F = torch.nn.functional` in scope), for the baselines and the Python tests;
+/// - `module`: the `torch.nn` module it replaces (`""`: none);
+/// - `doc`: one line for the enum variant and the method.
+///
+/// The macro passes `[args] rows` to `$m!`: the device side instantiates its kernels from it, the
+/// host generates its enums, `Tensor` methods and the list the Python package exports. Adding a
+/// row (with the formula's type above it, and its f64 reference in the tests) is all it takes to
+/// add an op.
+#[macro_export]
+macro_rules! unary_table {
+    ($($m:ident)::+ $(! $($args:tt)*)?) => {
+        $($m)::+! { [$($($args)*)?]
+            math neg         Neg         {}                                   yx normal   "torch.neg"   ""       "`-x`.";
+            math add_scalar  AddScalar   (s = 1.5)                            y1 normal   "torch.add"   ""       "`x + s`.";
+            math sub_scalar  SubScalar   (s = 1.5)                            y1 normal   "torch.sub"   ""       "`x - s`.";
+            math mul_scalar  MulScalar   (s = 1.5)                            yx normal   "torch.mul"   ""       "`x * s`.";
+            math div_scalar  DivScalar   (s = 1.5)                            yx normal   "torch.div"   ""       "`x / s`, as PyTorch divides by a scalar: `x * (1 / s)`, the reciprocal rounded once.";
+            math abs         Abs         {}                                    - normal   "torch.abs"   ""       "`|x|` (derivative `sign(x)`, 0 at 0, as PyTorch).";
+            math exp         Exp         {}                                    y normal   "torch.exp"   ""       "`e^x`.";
+            math log         Log         {}                                    - positive "torch.log"   ""       "The natural logarithm (NaN below 0, `-inf` at 0).";
+            math expm1       Expm1       {}                                    - normal   "torch.expm1" ""       "`e^x - 1`, accurate near 0.";
+            math log1p       Log1p       {}                                    - positive "torch.log1p" ""       "`log(1 + x)`, accurate near 0.";
+            math erf         Erf         {}                                    - normal   "torch.erf"   ""       "The error function.";
+            math sqrt        Sqrt        {}                                    y positive "torch.sqrt"  ""       "`sqrt(x)` (NaN below 0).";
+            math rsqrt       Rsqrt       {}                                    y positive "torch.rsqrt" ""       "`1 / sqrt(x)`.";
+            math pow         Pow         (p = 2.5)                             - positive "torch.pow"   ""       "`x ^ p`.";
+            math clamp       Clamp       {min = -0.5, max = 0.5}               - normal   "torch.clamp" ""       "`min(max(x, min), max)`, NaN propagated.";
+            act  identity    Identity    {}                                   y1 normal   "lambda x: x" ""       "`x`.";
+            act  relu        Relu        {}                                   yx normal   "F.relu"      "ReLU"   "`max(x, 0)`; NaN stays NaN.";
+            act  leaky_relu  LeakyRelu   {negative_slope = 0.01}              yx normal   "F.leaky_relu" "LeakyReLU" "`x` where `x > 0`, else `negative_slope * x`.";
+            act  sigmoid     Sigmoid     {}                                    y normal   "torch.sigmoid" "Sigmoid" "`1 / (1 + e^-x)`.";
+            act  tanh        Tanh        {}                                    y normal   "torch.tanh"  "Tanh"   "`tanh(x)`.";
+            act  gelu        Gelu        {}                                    - normal   "F.gelu"      ""       "GELU, `x Phi(x)` with the exact normal CDF (erf form, PyTorch's default).";
+            act  gelu_tanh   GeluTanh    {}                                    - normal   "lambda x: F.gelu(x, approximate='tanh')" "" "PyTorch's `gelu(x, approximate=\"tanh\")`.";
+            act  silu        Silu        {}                                    - normal   "F.silu"      "SiLU"   "`x * sigmoid(x)`, also called Swish.";
+            act  mish        Mish        {}                                    - normal   "F.mish"      "Mish"   "`x * tanh(softplus(x))`.";
+            act  softplus    Softplus    {beta = 1.0, threshold = 20.0}        - normal   "F.softplus"  "Softplus" "`log(1 + exp(beta x)) / beta`, and `x` where `beta x > threshold`.";
+            act  elu         Elu         {alpha = 1.0}                         - normal   "F.elu"       "ELU"    "`x` for `x > 0`, else `alpha (e^x - 1)`.";
+            act  selu        Selu        {}                                    - normal   "F.selu"      "SELU"   "`scale x` for `x > 0`, else `scale alpha (e^x - 1)` (self-normalising constants).";
+            act  celu        Celu        {alpha = 1.0}                         - normal   "F.celu"      "CELU"   "`x` for `x > 0`, else `alpha (e^(x / alpha) - 1)`; `alpha` must not be 0.";
+            act  hardswish   Hardswish   {}                                    - normal   "F.hardswish" "Hardswish" "`x min(max(x + 3, 0), 6) / 6`.";
+            act  hardsigmoid Hardsigmoid {}                                    - normal   "F.hardsigmoid" "Hardsigmoid" "`min(max(x + 3, 0), 6) / 6`.";
+            act  softsign    Softsign    {}                                    - normal   "F.softsign"  "Softsign" "`x / (1 + |x|)`.";
+        }
+    };
+}
+
+/// Selects rows of [`unary_table`] and passes them to `$m!` as `stem Type,` pairs: `all` rows,
+/// the `act` rows, or the rows with `y`. For the lists below.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __unary_select {
+    ([$($m:ident)::+ $which:ident [$($acc:tt)*]]) => { $($m)::+! { $($acc)* } };
+    ([$($m:ident)::+ all [$($acc:tt)*]] $k:ident $stem:ident $Ty:ident $p:tt $y:tt $d:ident $t:literal $mo:literal $doc:literal; $($rest:tt)*) => {
+        $crate::__unary_select!([$($m)::+ all [$($acc)* $stem $Ty,]] $($rest)*);
+    };
+    ([$($m:ident)::+ act [$($acc:tt)*]] act $stem:ident $Ty:ident $p:tt $y:tt $d:ident $t:literal $mo:literal $doc:literal; $($rest:tt)*) => {
+        $crate::__unary_select!([$($m)::+ act [$($acc)* $stem $Ty,]] $($rest)*);
+    };
+    ([$($m:ident)::+ y [$($acc:tt)*]] $k:ident $stem:ident $Ty:ident $p:tt y $d:ident $t:literal $mo:literal $doc:literal; $($rest:tt)*) => {
+        $crate::__unary_select!([$($m)::+ y [$($acc)* $stem $Ty,]] $($rest)*);
+    };
+    ([$($m:ident)::+ $which:ident [$($acc:tt)*]] $k:ident $stem:ident $Ty:ident $p:tt $y:tt $d:ident $t:literal $mo:literal $doc:literal; $($rest:tt)*) => {
+        $crate::__unary_select!([$($m)::+ $which [$($acc)*]] $($rest)*);
+    };
+}
+
+/// Every row of [`unary_table`] as `stem Type,` pairs passed to `$m!` in one invocation: the
+/// device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the kernel-side
+/// enums below get their kernel names from the same list, so the two cannot differ.
 #[macro_export]
 macro_rules! unary_list {
     ($m:ident) => {
-        $m! {
-            neg Neg, add_scalar AddScalar, sub_scalar SubScalar, mul_scalar MulScalar,
-            div_scalar DivScalar, abs Abs, exp Exp, log Log, expm1 Expm1, log1p Log1p, erf Erf,
-            sqrt Sqrt, rsqrt Rsqrt, pow Pow, clamp Clamp,
-            identity Identity, relu Relu, leaky_relu LeakyRelu, sigmoid Sigmoid, tanh Tanh,
-            gelu GeluErf, gelu_tanh GeluTanh, silu Silu, mish Mish, softplus Softplus,
-        }
+        $crate::unary_table!($crate::__unary_select! $m all []);
     };
 }
 
-/// The activations: usable alone (they are also in [`unary_list`]) and inside the fused
-/// `act(x * scale + bias)`.
+/// The activations (`act` rows of [`unary_table`]), as [`unary_list`]: usable alone and inside
+/// the fused `act(x * scale + bias)`.
 #[macro_export]
 macro_rules! activation_list {
     ($m:ident) => {
-        $m! {
-            identity Identity, relu Relu, leaky_relu LeakyRelu, sigmoid Sigmoid, tanh Tanh,
-            gelu GeluErf, gelu_tanh GeluTanh, silu Silu, mish Mish, softplus Softplus,
-        }
+        $crate::unary_table!($crate::__unary_select! $m act []);
     };
 }
 
-/// The ops with a backward from the output ([`OutputGradFn`]), as [`unary_list`].
+/// The ops with a kernel of their own for the backward from the output (the rows of
+/// [`unary_table`] with `y`, [`OutputGradFn`]), as [`unary_list`].
 #[macro_export]
 macro_rules! output_grad_list {
     ($m:ident) => {
-        $m! { exp Exp, sqrt Sqrt, rsqrt Rsqrt, sigmoid Sigmoid, tanh Tanh, }
+        $crate::unary_table!($crate::__unary_select! $m y []);
     };
 }
 
@@ -882,6 +1101,18 @@ macro_rules! unary_chunk {
             /// The op's form for the backward's parameters ([`UnaryFn::bwd_form`]).
             pub fn bwd_form(self, a: f32, b: f32) -> u32 {
                 match self { $(Unary::$O => <$O as UnaryFn>::bwd_form(a, b)),* }
+            }
+            /// The kernel's `(a, b)` from the user's parameters ([`UnaryFn::params`]).
+            pub fn params(self, p: [f32; 2]) -> [f32; 2] {
+                match self { $(Unary::$O => <$O as UnaryFn>::params(p)),* }
+            }
+            /// Why the user's parameters are refused, if they are ([`UnaryFn::check`]).
+            pub fn check(self, p: [f32; 2]) -> Result<(), &'static str> {
+                match self { $(Unary::$O => <$O as UnaryFn>::check(p)),* }
+            }
+            /// [`UnaryFn::from_output`] of the op.
+            pub fn from_output(self, p: [f32; 2]) -> bool {
+                match self { $(Unary::$O => <$O as UnaryFn>::from_output(p)),* }
             }
             /// Vectors a thread of the op's kernels above the small launches in `form`, for `dt`
             /// ([`UnaryFn::CHUNK`]): the host sizes their grid with it.

@@ -54,50 +54,40 @@ except ImportError as _e:  # the native layer stays usable (CI checks it without
         raise ImportError(f"kernels_torch.{name} needs PyTorch, which is not installed ({_TORCH_ERROR})")
 
 else:
-    from . import nn
+    from . import _ops, nn
     from ._ops import (
         ACTIVATIONS,
         LINEAR_ACTIVATIONS,
+        UNARY_OPS,
         cross_entropy,
-        gelu,
         layer_norm,
-        leaky_relu,
         linear,
         log_softmax,
-        mish,
-        relu,
         rms_norm,
         scale_bias_act,
-        sigmoid,
-        silu,
         softmax,
-        softplus,
         swish,
-        tanh,
     )
+
+    # One function per activation of the op table (``relu``, ``gelu``, ``elu``, ...).
+    globals().update({_name: getattr(_ops, _name) for _name in _ops.FUNCTIONS})
 
     __all__ = [
         "ACTIVATIONS",
         "LINEAR_ACTIVATIONS",
+        "UNARY_OPS",
         "cross_entropy",
         "cuda_available",
         "cuda_status",
         "get_float32_matmul_precision",
-        "gelu",
         "layer_norm",
-        "leaky_relu",
         "linear",
         "log_softmax",
-        "mish",
         "nn",
-        "relu",
         "rms_norm",
         "scale_bias_act",
         "set_float32_matmul_precision",
-        "sigmoid",
-        "silu",
         "softmax",
-        "softplus",
         "swish",
-        "tanh",
+        *_ops.FUNCTIONS,
     ]

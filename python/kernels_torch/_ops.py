@@ -11,6 +11,7 @@ allocator (``torch.empty``), and hands the raw addresses and PyTorch's current s
 synchronised, except by the cross-entropy, which reads back whether a target was out of range.
 """
 
+import inspect
 import math
 from typing import Optional, Sequence
 
@@ -24,19 +25,13 @@ NS = "rustkernels"
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ALIGN = int(_native.ALIGNMENT)
 
+# The op table (kernels_gpu::unary_table), exported by the native module: one row per op,
+# ``(name, activation, ((param, default), ...), from_output, positive, torch, module, doc)``; a
+# row's code in ``_native`` is its index.
+UNARY_OPS = {row[0]: (code,) + tuple(row[1:]) for code, row in enumerate(_native.UNARY_OPS)}
+
 # Activation name -> (code in _native, parameter names with PyTorch's defaults).
-ACTIVATIONS = {
-    "identity": (0, ()),
-    "relu": (1, ()),
-    "leaky_relu": (2, (("negative_slope", 0.01),)),
-    "sigmoid": (3, ()),
-    "tanh": (4, ()),
-    "gelu": (5, ()),
-    "gelu_tanh": (6, ()),
-    "silu": (7, ()),
-    "mish": (8, ()),
-    "softplus": (9, (("beta", 1.0), ("threshold", 20.0))),
-}
+ACTIVATIONS = {name: (row[0], tuple(row[2])) for name, row in UNARY_OPS.items() if row[1]}
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -164,11 +159,12 @@ def _act_params(params: Sequence[float]) -> tuple[float, float]:
     return p[0], p[1]
 
 
-# The activations whose backward reads the saved output instead of the input, as PyTorch's
-# autograd does for these two: the output is saved (the input may be freed), and the backward
-# kernel is a few multiplications (``grad * (1 - y) * y``, ``grad * (1 - y * y)``) where from the
-# input it computes the activation again. Their backward ops take ``y`` where the others take ``x``.
-_FROM_OUTPUT = {"sigmoid", "tanh"}
+# The activations whose backward reads the saved output instead of the input (a kernel of their
+# own: ``y`` in the table), as PyTorch's autograd does for sigmoid and tanh: the output is saved
+# (the input may be freed), and the backward kernel is a few multiplications (``grad * (1 - y) *
+# y``) where from the input it computes the activation again. Their backward ops take ``y`` where
+# the others take ``x``.
+_FROM_OUTPUT = {name for name, row in UNARY_OPS.items() if row[1] and row[3] == "y"}
 
 
 def _define_activation(name: str, code: int, params: tuple) -> None:
@@ -225,20 +221,44 @@ for _name, (_code, _params) in ACTIVATIONS.items():
         _define_activation(_name, _code, _params)
 
 
-def relu(x: Tensor) -> Tensor:
-    return _call("relu", x)
+def _public(name: str, params: tuple, doc: str):
+    """The Python function of activation ``name``: ``f(x, *params)`` with PyTorch's parameter
+    names and defaults (``inspect.signature`` shows them)."""
+    names = tuple(p for p, _ in params)
+    defaults = tuple(float(d) for _, d in params)
+
+    if not names:
+
+        def fn(x: Tensor) -> Tensor:
+            return _call(name, x)
+
+    else:
+
+        def fn(x: Tensor, *args, **kwargs) -> Tensor:
+            if kwargs or len(args) != len(names):
+                bound = sig.bind(x, *args, **kwargs)
+                bound.apply_defaults()
+                args = tuple(bound.arguments[p] for p in names)
+            return _call(name, x, *(float(a) for a in args))
+
+    P = inspect.Parameter
+    sig = inspect.Signature(
+        [P("x", P.POSITIONAL_OR_KEYWORD, annotation=Tensor)]
+        + [P(p, P.POSITIONAL_OR_KEYWORD, default=d, annotation=float) for p, d in zip(names, defaults)],
+        return_annotation=Tensor,
+    )
+    fn.__name__ = fn.__qualname__ = name
+    fn.__signature__ = sig
+    fn.__doc__ = f"``{name}``: {doc.strip('.')}; PyTorch's ``{UNARY_OPS[name][5]}``, forward and backward on the GPU."
+    return fn
 
 
-def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
-    return _call("leaky_relu", x, negative_slope)
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    return _call("sigmoid", x)
-
-
-def tanh(x: Tensor) -> Tensor:
-    return _call("tanh", x)
+# One function per activation of the table (``gelu`` takes PyTorch's ``approximate`` instead, and
+# ``identity`` has none).
+FUNCTIONS = tuple(n for n in ACTIVATIONS if n not in ("identity", "gelu", "gelu_tanh"))
+for _name in FUNCTIONS:
+    globals()[_name] = _public(_name, ACTIVATIONS[_name][1], UNARY_OPS[_name][7])
+FUNCTIONS += ("gelu",)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -250,20 +270,7 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
-def silu(x: Tensor) -> Tensor:
-    """SiLU, also called Swish: ``x * sigmoid(x)``."""
-    return _call("silu", x)
-
-
-swish = silu
-
-
-def mish(x: Tensor) -> Tensor:
-    return _call("mish", x)
-
-
-def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
-    return _call("softplus", x, beta, threshold)
+swish = silu  # noqa: F821 (defined above from the table)
 
 
 # --- act(x * scale + bias) ----------------------------------------------------------------------
@@ -736,7 +743,8 @@ def cross_entropy(
 # derivative needs z; the custom op `linear` called directly with gradients recomputes z in its
 # backward (one GEMM more).
 
-LINEAR_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu")
+# The activations the GEMM's epilogue fuses (the native module says which).
+LINEAR_ACTIVATIONS = tuple(_native.LINEAR_ACTIVATIONS)
 _NEEDS_PRE = ("gelu", "gelu_tanh", "silu")
 
 

@@ -20,18 +20,11 @@ __all__ = [
     "FusedBiasAct",
     "GELU",
     "LayerNorm",
-    "LeakyReLU",
     "Linear",
     "LogSoftmax",
-    "Mish",
     "RMSNorm",
-    "ReLU",
-    "SiLU",
-    "Sigmoid",
     "Softmax",
-    "Softplus",
     "Swish",
-    "Tanh",
 ]
 
 
@@ -44,30 +37,32 @@ def _ours(*ts: Optional[Tensor]) -> bool:
     return all(t is None or (t.device == first.device and t.dtype == first.dtype) for t in ts[1:])
 
 
-class ReLU(torch.nn.ReLU):
-    """``torch.nn.ReLU``; ``inplace=True`` runs PyTorch's in-place op."""
+def _activation_module(name: str, module: str, params: tuple):
+    """The ``torch.nn`` module ``module`` running activation ``name`` of the op table: a subclass
+    with the same constructor, attributes and ``state_dict``; ``inplace=True`` runs PyTorch's
+    in-place op."""
+    base = getattr(torch.nn, module)
+    fn = getattr(_ops, name)
+    attrs = tuple(p for p, _ in params)  # PyTorch's modules keep their parameters by these names
 
     def forward(self, x: Tensor) -> Tensor:
-        return _ops.relu(x) if _ours(x) and not self.inplace else super().forward(x)
+        if _ours(x) and not getattr(self, "inplace", False):
+            return fn(x, *(getattr(self, a) for a in attrs))
+        return base.forward(self, x)
+
+    doc = f"``torch.nn.{module}`` running ``kernels_torch.{name}`` on CUDA tensors of f32, f16 and bf16."
+    return type(module, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__})
 
 
-class LeakyReLU(torch.nn.LeakyReLU):
-    """``torch.nn.LeakyReLU``; ``inplace=True`` runs PyTorch's in-place op."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if _ours(x) and not self.inplace:
-            return _ops.leaky_relu(x, self.negative_slope)
-        return super().forward(x)
-
-
-class Sigmoid(torch.nn.Sigmoid):
-    def forward(self, x: Tensor) -> Tensor:
-        return _ops.sigmoid(x) if _ours(x) else super().forward(x)
-
-
-class Tanh(torch.nn.Tanh):
-    def forward(self, x: Tensor) -> Tensor:
-        return _ops.tanh(x) if _ours(x) else super().forward(x)
+# One module per activation of the op table that stands for a ``torch.nn`` module (``GELU``, below,
+# takes PyTorch's ``approximate``).
+_MODULES = {
+    row[6]: _activation_module(name, row[6], tuple(row[2]))
+    for name, row in _ops.UNARY_OPS.items()
+    if row[1] and row[6] and name not in ("gelu", "gelu_tanh")
+}
+globals().update(_MODULES)
+__all__ += list(_MODULES)
 
 
 class GELU(torch.nn.GELU):
@@ -77,40 +72,17 @@ class GELU(torch.nn.GELU):
         return _ops.gelu(x, self.approximate) if _ours(x) else super().forward(x)
 
 
-class SiLU(torch.nn.SiLU):
-    """``torch.nn.SiLU`` (Swish); ``inplace=True`` runs PyTorch's in-place op."""
+Swish = SiLU  # noqa: F821 (defined above from the table)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return _ops.silu(x) if _ours(x) and not self.inplace else super().forward(x)
-
-
-Swish = SiLU
-
-
-class Mish(torch.nn.Mish):
-    """``torch.nn.Mish``; ``inplace=True`` runs PyTorch's in-place op."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _ops.mish(x) if _ours(x) and not self.inplace else super().forward(x)
-
-
-class Softplus(torch.nn.Softplus):
-    def forward(self, x: Tensor) -> Tensor:
-        return _ops.softplus(x, self.beta, self.threshold) if _ours(x) else super().forward(x)
+_TORCH = {}  # activation name -> PyTorch's version, from the op table
 
 
 def _torch_activation(x: Tensor, act: str, a: float, b: float) -> Tensor:
-    """PyTorch's own version of each activation of ``_ops.ACTIVATIONS``."""
-    if act == "identity":
-        return x
-    if act == "leaky_relu":
-        return F.leaky_relu(x, a)
-    if act == "softplus":
-        return F.softplus(x, a, b)
-    if act == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    return {"relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu, "silu": F.silu,
-            "mish": F.mish}[act](x)  # fmt: skip
+    """PyTorch's own version of each activation of ``_ops.ACTIVATIONS`` (the table's ``torch``)."""
+    if act not in _TORCH:
+        _TORCH[act] = eval(_ops.UNARY_OPS[act][5], {"torch": torch, "F": F})  # the table's own text
+    params = (a, b)[: len(_ops.ACTIVATIONS[act][1])]
+    return _TORCH[act](x, *params)
 
 
 class FusedBiasAct(torch.nn.Module):

@@ -59,22 +59,32 @@ fn dtype(code: u8) -> PyResult<DType> {
     }
 }
 
-/// Activation codes, as `kernels_torch._ops.ACTIVATIONS` numbers them; `a` and `b` are the
-/// parameters of those that have any.
+/// The op table's row `code` (its index in [`ops::UNARY_OPS`], which the module exports as
+/// `UNARY_OPS`) with parameters `a`, `b` (those it has, in its row's order).
+fn unary_op(code: u8, a: f32, b: f32) -> PyResult<UnaryOp> {
+    ops::UNARY_OPS
+        .get(code as usize)
+        .and_then(|info| UnaryOp::from_name(info.name, [a, b]))
+        .ok_or_else(|| PyValueError::new_err(format!("unknown unary op code {code}")))
+}
+
+/// As [`unary_op`], for a row that is an activation.
 fn activation(code: u8, a: f32, b: f32) -> PyResult<Activation> {
-    Ok(match code {
-        0 => Activation::Identity,
-        1 => Activation::Relu,
-        2 => Activation::LeakyRelu { negative_slope: a },
-        3 => Activation::Sigmoid,
-        4 => Activation::Tanh,
-        5 => Activation::Gelu,
-        6 => Activation::GeluTanh,
-        7 => Activation::Silu,
-        8 => Activation::Mish,
-        9 => Activation::Softplus { beta: a, threshold: b },
-        _ => return Err(PyValueError::new_err(format!("unknown activation code {code}"))),
-    })
+    match unary_op(code, a, b)? {
+        UnaryOp::Act(act) => Ok(act),
+        op => Err(PyValueError::new_err(format!("{} (code {code}) is not an activation", op.name()))),
+    }
+}
+
+/// The op table as Python data: one tuple a row, `(name, activation, ((param, default), ...),
+/// from_output, positive, torch, module, doc)`, in the order of the codes.
+type UnaryRow = (&'static str, bool, Vec<(&'static str, f32)>, &'static str, bool, &'static str, &'static str, &'static str);
+
+fn unary_rows() -> Vec<UnaryRow> {
+    ops::UNARY_OPS
+        .iter()
+        .map(|i| (i.name, i.activation, i.params.to_vec(), i.from_output, i.positive, i.torch, i.module, i.doc))
+        .collect()
 }
 
 /// One call's device, stream and dtype.
@@ -216,31 +226,6 @@ fn unary_bwd_with(
     } else {
         c.run(py, || ops::unary_backward_out(&x, &g, op, &mut gx))
     }
-}
-
-/// The library's element-wise math and scalar ops, by code (`a`, `b`: the parameters of those
-/// that have any). Not wrapped by the Python layer (PyTorch has its own); exposed so that
-/// `benches/torch_paired.py` can time each element-wise kernel against PyTorch's in one process,
-/// on the same tensors and stream.
-fn unary_op(code: u8, a: f32, b: f32) -> PyResult<UnaryOp> {
-    Ok(match code {
-        0 => UnaryOp::Neg,
-        1 => UnaryOp::Abs,
-        2 => UnaryOp::Exp,
-        3 => UnaryOp::Log,
-        4 => UnaryOp::Expm1,
-        5 => UnaryOp::Log1p,
-        6 => UnaryOp::Erf,
-        7 => UnaryOp::Sqrt,
-        8 => UnaryOp::Rsqrt,
-        9 => UnaryOp::Pow(a),
-        10 => UnaryOp::Clamp { min: a, max: b },
-        11 => UnaryOp::AddScalar(a),
-        12 => UnaryOp::SubScalar(a),
-        13 => UnaryOp::MulScalar(a),
-        14 => UnaryOp::DivScalar(a),
-        _ => return Err(PyValueError::new_err(format!("unknown unary op code {code}"))),
-    })
 }
 
 /// `op(x)` into `y`, both of `n` elements (`op` a [`unary_op`] code).
@@ -645,7 +630,7 @@ fn linear_activation(code: u8) -> PyResult<Activation> {
     let act = activation(code, 0.0, 0.0)?;
     if ops::fused_activation(act).is_none() {
         return Err(PyValueError::new_err(format!(
-            "linear: activation {act:?} is not fused into the GEMM (identity, relu, gelu, gelu_tanh, silu are)"
+            "linear: activation {act:?} is not fused into the GEMM (see LINEAR_ACTIVATIONS)"
         )));
     }
     Ok(act)
@@ -826,6 +811,10 @@ fn f32_matmul_precision(py: Python<'_>, ordinal: usize) -> PyResult<&'static str
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PTX_ARCH", kernels::device::PTX_ARCHES.join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
+    m.add("UNARY_OPS", unary_rows())?;
+    let fused: Vec<&str> =
+        Activation::ALL.iter().filter(|&&a| ops::fused_activation(a).is_some()).map(|a| a.name()).collect();
+    m.add("LINEAR_ACTIVATIONS", fused)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(set_f32_matmul_precision, m)?)?;
     m.add_function(wrap_pyfunction!(f32_matmul_precision, m)?)?;

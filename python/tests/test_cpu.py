@@ -23,12 +23,17 @@ def test_modules_fall_back_to_pytorch_on_cpu():
         (knn.Sigmoid(), torch.nn.Sigmoid()),
         (knn.Tanh(), torch.nn.Tanh()),
         (knn.Softplus(2.0, 5.0), torch.nn.Softplus(2.0, 5.0)),
+        (knn.ELU(0.5), torch.nn.ELU(0.5)),
+        (knn.CELU(2.5), torch.nn.CELU(2.5)),
         (knn.Softmax(-1), torch.nn.Softmax(-1)),
         (knn.LogSoftmax(0), torch.nn.LogSoftmax(0)),
         (knn.LayerNorm(16, dtype=torch.float64), torch.nn.LayerNorm(16, dtype=torch.float64)),
         (knn.RMSNorm(16, dtype=torch.float64), torch.nn.RMSNorm(16, dtype=torch.float64)),
     ]
+    # Every module of the op table, with PyTorch's defaults.
+    pairs += [(cls(), getattr(torch.nn, name)()) for name, cls in knn._MODULES.items()]
     for ours, ref in pairs:
+        assert isinstance(ours, type(ref)), type(ours).__name__
         assert torch.equal(ours(x), ref(x)), type(ours).__name__
     t = torch.tensor([1, 0, 3, 15, 2, 2, 9, 0])
     assert torch.equal(knn.CrossEntropyLoss(label_smoothing=0.1)(x, t), F.cross_entropy(x, t, label_smoothing=0.1))
@@ -134,8 +139,10 @@ def test_schemas():
     assert str(ops.softplus.default._schema) == "rustkernels::softplus(Tensor x, float beta=1., float threshold=20.) -> Tensor"
     assert str(ops.gelu_backward.default._schema) == "rustkernels::gelu_backward(Tensor x, Tensor grad) -> Tensor"
     assert str(ops.tanh_backward.default._schema) == "rustkernels::tanh_backward(Tensor y, Tensor grad) -> Tensor"
-    for name in ["relu", "leaky_relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "mish", "softplus",
-                 "scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy", "linear"]:  # fmt: skip
+    activations = [n for n in kt.ACTIVATIONS if n != "identity"]
+    assert {"relu", "gelu", "elu", "selu", "celu", "hardswish", "hardsigmoid", "softsign"} <= set(activations)
+    for name in activations + ["scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy",
+                               "linear"]:  # fmt: skip
         assert hasattr(ops, name) and hasattr(ops, name + "_backward"), name
     assert str(ops.linear.default._schema) == (
         'rustkernels::linear(Tensor x, Tensor weight, Tensor? bias=None, str activation="identity") -> Tensor'

@@ -57,17 +57,25 @@ def our_grads(f, inputs, grad):
     return y.detach(), gs
 
 
+def _torch_of(name):
+    """PyTorch's version of an op of the table (its ``torch`` column)."""
+    return eval(kt.UNARY_OPS[name][5], {"torch": torch, "F": F})
+
+
+def _ours_of(name):
+    return (lambda x, *p: kt.gelu(x, "tanh")) if name == "gelu_tanh" else getattr(kt, name)
+
+
+# Every activation of the op table with PyTorch's defaults (name -> (ours, PyTorch's)), and some
+# with other parameters.
 ACTS = {
-    "relu": (kt.relu, F.relu),
-    "leaky_relu": (lambda x: kt.leaky_relu(x, 0.2), lambda x: F.leaky_relu(x, 0.2)),
-    "sigmoid": (kt.sigmoid, torch.sigmoid),
-    "tanh": (kt.tanh, torch.tanh),
-    "gelu": (kt.gelu, F.gelu),
-    "gelu_tanh": (lambda x: kt.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh")),
-    "silu": (kt.silu, F.silu),
-    "mish": (kt.mish, F.mish),
-    "softplus": (lambda x: kt.softplus(x, 2.0, 5.0), lambda x: F.softplus(x, 2.0, 5.0)),
-}
+    name: (lambda x, n=name, p=params: _ours_of(n)(x, *(d for _, d in p)),
+           lambda x, n=name, p=params: _torch_of(n)(x, *(d for _, d in p)))
+    for name, (_, params) in kt.ACTIVATIONS.items()
+    if name != "identity"
+}  # fmt: skip
+for _name, _p in [("leaky_relu", (0.2,)), ("softplus", (2.0, 5.0)), ("elu", (0.5,)), ("celu", (2.5,))]:
+    ACTS[f"{_name}{_p}"] = (lambda x, n=_name, p=_p: _ours_of(n)(x, *p), lambda x, n=_name, p=_p: _torch_of(n)(x, *p))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -83,24 +91,17 @@ def test_activation(name, dtype):
         close(gx, rgx, dtype, f"{name} backward {shape}")
 
 
-SBA = {
-    "identity": lambda x: x,
-    "relu": F.relu,
-    "leaky_relu": lambda x: F.leaky_relu(x, 0.01),
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "mish": F.mish,
-    "softplus": lambda x: F.softplus(x, 1.5, 4.0),
-}
+# The fused act(x * scale + bias) for every activation, PyTorch's version beside it; softplus
+# with other parameters than its defaults.
+SBA_PARAMS = {name: tuple(d for _, d in params) for name, (_, params) in kt.ACTIVATIONS.items()}
+SBA_PARAMS["softplus"] = (1.5, 4.0)
+SBA = {name: (lambda x, n=name: _torch_of(n)(x, *SBA_PARAMS[n])) for name in SBA_PARAMS}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", list(SBA))
 def test_scale_bias_act(act, dtype):
-    params = (1.5, 4.0) if act == "softplus" else ()
+    params = SBA_PARAMS[act]
     for rows, cols in [(96, 1000), (5, 33)]:
         x = randn(rows, cols, dtype=dtype, scale=2.0, seed=1).requires_grad_()
         s = randn(cols, dtype=dtype, seed=2).requires_grad_()
@@ -199,6 +200,8 @@ def test_gradcheck_f32():
         "silu": (kt.silu, [x]),
         "mish": (kt.mish, [x]),
         "softplus": (lambda x: kt.softplus(x, 2.0), [x]),  # threshold 20: no kink near x
+        "softsign": (kt.softsign, [x]),
+        "elu": (kt.elu, [x]),  # alpha 1: the derivative is continuous at 0
         "sigmoid": (kt.sigmoid, [x]),
         "tanh": (kt.tanh, [x]),
         "softmax": (kt.softmax, [x]),

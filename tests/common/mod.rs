@@ -367,37 +367,32 @@ pub fn matrix_shapes() -> impl proptest::strategy::Strategy<Value = (usize, usiz
     (rows, cols)
 }
 
-/// The activations under test, with PyTorch's default parameters and others.
+/// The activations under test: each of the table's with PyTorch's defaults, then some with
+/// other parameters.
 pub fn activations() -> Vec<Activation> {
-    vec![
-        Activation::Identity,
-        Activation::Relu,
-        Activation::LEAKY_RELU,
+    let mut v = Activation::ALL.to_vec();
+    v.extend([
         Activation::LeakyRelu { negative_slope: -0.3 },
-        Activation::Sigmoid,
-        Activation::Tanh,
-        Activation::Gelu,
-        Activation::GeluTanh,
-        Activation::Silu,
-        Activation::Mish,
-        Activation::SOFTPLUS,
         Activation::Softplus { beta: 2.0, threshold: 10.0 },
-    ]
+        Activation::Elu { alpha: 0.5 },
+        Activation::Celu { alpha: 2.5 },
+    ]);
+    v
 }
 
-/// The unary ops under test, each with the input distribution that exercises it.
+/// The input distribution of an op of the table (positive for the ops defined there alone).
+pub fn draw_for(op: UnaryOp) -> Draw {
+    let info = kernels::ops::UNARY_OPS.iter().find(|i| i.name == op.name()).expect("every op is in the table");
+    if info.positive { Draw::POSITIVE } else { Draw::NORMAL }
+}
+
+/// The unary ops under test, each with the input distribution that exercises it: the table's
+/// math ops with their parameters, more cases of some, and [`activations`].
 pub fn unary_ops() -> Vec<(UnaryOp, Draw)> {
-    let mut v = vec![
-        (UnaryOp::Neg, Draw::NORMAL),
-        (UnaryOp::Abs, Draw::NORMAL),
-        (UnaryOp::Exp, Draw::NORMAL),
-        (UnaryOp::Log, Draw::POSITIVE),
-        (UnaryOp::Expm1, Draw::NORMAL),
-        (UnaryOp::Log1p, Draw::POSITIVE),
+    let mut v: Vec<(UnaryOp, Draw)> =
+        UnaryOp::all().into_iter().filter(|op| !matches!(op, UnaryOp::Act(_))).map(|op| (op, draw_for(op))).collect();
+    v.extend([
         (UnaryOp::Log1p, Draw { scale: 0.6, positive: false, special: 0.05 }),
-        (UnaryOp::Erf, Draw::NORMAL),
-        (UnaryOp::Sqrt, Draw::POSITIVE),
-        (UnaryOp::Rsqrt, Draw::POSITIVE),
         (UnaryOp::Pow(3.0), Draw::NORMAL),
         (UnaryOp::Pow(2.0), Draw::NORMAL),
         (UnaryOp::Pow(0.5), Draw::POSITIVE),
@@ -416,11 +411,10 @@ pub fn unary_ops() -> Vec<(UnaryOp, Draw)> {
         (UnaryOp::Pow(f32::INFINITY), Draw::POSITIVE),
         (UnaryOp::Pow(f32::NAN), Draw::NORMAL),
         (UnaryOp::Clamp { min: -0.5, max: 0.75 }, Draw::NORMAL),
-        (UnaryOp::AddScalar(1.5), Draw::NORMAL),
         (UnaryOp::SubScalar(-2.25), Draw::NORMAL),
         (UnaryOp::MulScalar(0.1), Draw::NORMAL),
         (UnaryOp::DivScalar(3.0), Draw::NORMAL),
-    ];
+    ]);
     v.extend(activations().into_iter().map(|a| (UnaryOp::Act(a), Draw::NORMAL)));
     v
 }
@@ -436,7 +430,7 @@ pub fn output_grad_ops() -> Vec<(UnaryOp, Draw, Option<OutputGrad>)> {
         (Activation::Sigmoid.into(), Draw::NORMAL, Some(OutputGrad::Sigmoid)),
         (Activation::Tanh.into(), Draw::NORMAL, Some(OutputGrad::Tanh)),
         (Activation::Relu.into(), Draw::NORMAL, None),
-        (Activation::LEAKY_RELU.into(), Draw::NORMAL, None),
+        (Activation::LeakyRelu { negative_slope: 0.01 }.into(), Draw::NORMAL, None),
         (Activation::LeakyRelu { negative_slope: 0.0 }.into(), Draw::NORMAL, None),
         (UnaryOp::Neg, Draw::NORMAL, None),
         (UnaryOp::MulScalar(0.1), Draw::NORMAL, None),

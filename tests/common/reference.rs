@@ -70,7 +70,32 @@ pub fn act_fwd(a: Activation, x: f64) -> f64 {
             let z = x * beta as f64;
             if z > threshold as f64 { x } else { libm::log1p(z.exp()) / beta as f64 }
         }
+        Activation::Elu { alpha } => elu(x, 1.0, alpha as f64, 1.0),
+        Activation::Selu => elu(x, SELU_SCALE, SELU_ALPHA, 1.0),
+        Activation::Celu { alpha } => elu(x, 1.0, alpha as f64, 1.0 / alpha as f64),
+        Activation::Hardswish => x * relu6(x + 3.0) / 6.0,
+        Activation::Hardsigmoid => relu6(x + 3.0) / 6.0,
+        Activation::Softsign => x / (1.0 + x.abs()),
     }
+}
+
+const SELU_ALPHA: f64 = 1.673_263_242_354_377_3;
+const SELU_SCALE: f64 = 1.050_700_987_355_480_5;
+
+/// PyTorch's ELU family: `scale x` above 0, `scale alpha expm1(x c)` at and below (NaN: the first).
+fn elu(x: f64, scale: f64, alpha: f64, c: f64) -> f64 {
+    if x <= 0.0 { scale * alpha * libm::expm1(x * c) } else { scale * x }
+}
+
+/// The derivative of [`elu`] times `g`.
+fn elu_grad(x: f64, g: f64, scale: f64, alpha: f64, c: f64) -> f64 {
+    if x <= 0.0 { g * scale * alpha * c * (x * c).exp() } else { g * scale }
+}
+
+/// `min(max(t, 0), 6)` by comparisons, so that NaN propagates (`f64::max` would drop it).
+fn relu6(t: f64) -> f64 {
+    let t = if t < 0.0 { 0.0 } else { t };
+    if t > 6.0 { 6.0 } else { t }
 }
 
 /// The exact derivative times `g`.
@@ -172,6 +197,26 @@ pub fn act_bwd(a: Activation, x: f64, g: f64) -> f64 {
                 g * e / (e + 1.0)
             }
         }
+        Activation::Elu { alpha } => elu_grad(x, g, 1.0, alpha as f64, 1.0),
+        Activation::Selu => elu_grad(x, g, SELU_SCALE, SELU_ALPHA, 1.0),
+        Activation::Celu { alpha } => elu_grad(x, g, 1.0, alpha as f64, 1.0 / alpha as f64),
+        Activation::Hardswish => {
+            if x < -3.0 {
+                0.0
+            } else if x <= 3.0 {
+                g * (x / 3.0 + 0.5)
+            } else {
+                g
+            }
+        }
+        Activation::Hardsigmoid => {
+            if x > -3.0 && x < 3.0 {
+                g / 6.0
+            } else {
+                0.0
+            }
+        }
+        Activation::Softsign => g / ((1.0 + x.abs()) * (1.0 + x.abs())),
     }
 }
 
@@ -216,6 +261,16 @@ pub fn act_fwd_tol(a: Activation, x: f64) -> Tol {
         Activation::Mish => (10.0 * U, 0.0),
         // z = x * beta (exact for beta = 2^k), exp, log1p, / beta.
         Activation::Softplus { .. } => (8.0 * U, 0.0),
+        // expm1 (<= 2 ulp, 3 U as the op's own) times alpha: one rounding. CELU's x / alpha is a
+        // product with 1 / alpha (two roundings in the argument t), which moves expm1(t) by
+        // |t| e^t / |expm1(t)| <= 1 times that, relative.
+        Activation::Elu { .. } => (4.0 * U, 0.0),
+        Activation::Celu { .. } => (6.0 * U, 0.0),
+        // SELU's constants rounded to f32 (U/2 each), their product, expm1, the last product.
+        Activation::Selu => (6.0 * U, 0.0),
+        // x + 3, the product and the division by 6: a rounding each.
+        Activation::Hardswish => (2.0 * U, 0.0),
+        Activation::Hardsigmoid | Activation::Softsign => (U, 0.0),
     };
     Tol { rtol, atol }
 }
@@ -248,6 +303,17 @@ pub fn act_bwd_tol(a: Activation, x: f64, g: f64) -> Tol {
     match a {
         Activation::Identity | Activation::Relu | Activation::LeakyRelu { .. } => Tol { rtol: 0.0, atol: 0.0 },
         Activation::Softplus { .. } => Tol { rtol: 8.0 * U, atol: 0.0 },
+        // exp (2 ulp) and two products; CELU's argument x / alpha carries two roundings, an
+        // absolute error |x / alpha| U in the exponent.
+        Activation::Elu { .. } | Activation::Selu => Tol { rtol: 5.0 * U, atol: 0.0 },
+        Activation::Celu { alpha } => Tol { rtol: 5.0 * U + (x / alpha as f64).abs() * U, atol: 0.0 },
+        // x / 3 rounds with an error relative to x (absolute against x / 3 + 1/2, which cancels
+        // at x = -1.5), then the sum and the product.
+        Activation::Hardswish => Tol { rtol: 2.0 * U, atol: ag * ax * U },
+        // g times 1/6 rounded to f32: two roundings.
+        Activation::Hardsigmoid => Tol { rtol: U, atol: 0.0 },
+        // 1 + |x|, its square, the quotient.
+        Activation::Softsign => Tol { rtol: 3.0 * U, atol: 0.0 },
         // Derivative formulas chain up to 8 roundings (16 U relative), and cancel in (1 - s),
         // (1 - t^2), (1 + erf) at an absolute scale of |g| (1 + |x|) U.
         _ => Tol { rtol: 16.0 * U, atol: ag * (2.0 + ax) * 8.0 * U + ag * x * x * U },
@@ -312,6 +378,8 @@ pub fn kinks(op: UnaryOp) -> Vec<f64> {
         UnaryOp::Clamp { min, max } => vec![min as f64, max as f64],
         UnaryOp::Act(Activation::Relu) | UnaryOp::Act(Activation::LeakyRelu { .. }) => vec![0.0],
         UnaryOp::Act(Activation::Softplus { beta, threshold }) => vec![threshold as f64 / beta as f64],
+        UnaryOp::Act(Activation::Elu { .. } | Activation::Selu | Activation::Celu { .. }) => vec![0.0],
+        UnaryOp::Act(Activation::Hardswish | Activation::Hardsigmoid) => vec![-3.0, 3.0],
         _ => vec![],
     }
 }
