@@ -21,9 +21,9 @@
 //! ```
 //!
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
-//! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), [`launch`] the
-//! launch geometry, [`error`] the error type, [`interop`] borrowed memory and foreign streams
-//! (PyTorch).
+//! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), `launch` (inside
+//! the crate) the launch geometry, [`error`] the error type, [`interop`] borrowed memory and
+//! foreign streams (PyTorch).
 
 // Every public item says what it is: CI's clippy turns a missing doc into an error.
 #![warn(missing_docs)]
@@ -31,7 +31,7 @@
 pub mod device;
 pub mod error;
 pub mod interop;
-pub mod launch;
+pub(crate) mod launch;
 pub mod ops;
 pub mod tensor;
 

@@ -643,7 +643,7 @@ fn cross_entropy_bwd(
 /// code in `ACTIVATIONS`.
 fn linear_activation(code: u8) -> PyResult<Activation> {
     let act = activation(code, 0.0, 0.0)?;
-    if ops::fused_activation(act).is_none() {
+    if !Gemm::can_fuse(act) {
         return Err(PyValueError::new_err(format!(
             "linear: activation {act:?} is not fused into the GEMM (identity, relu, gelu, gelu_tanh, silu are)"
         )));
