@@ -824,7 +824,7 @@ fn f32_matmul_precision(py: Python<'_>, ordinal: usize) -> PyResult<&'static str
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("PTX_ARCH", kernels::device::PTX_ARCHES.join(","))?;
+    m.add("PTX_ARCH", kernels::ptx_arches().join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(set_f32_matmul_precision, m)?)?;
