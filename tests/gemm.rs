@@ -550,7 +550,7 @@ fn linear_layer(dev: &Device) -> Result<(), String> {
             .collect();
         close("linear y", &y_inf.to_vec::<f32>().map_err(e)?, &want_y, &ytol)?;
         close("linear_train y", &y.to_vec::<f32>().map_err(e)?, &want_y, &ytol)?;
-        let g = ops::linear_backward(&tx, &tw, &y, &saved, &tdy, true).map_err(e)?;
+        let g = ops::linear_backward(&tx, &tw, &y, &saved, &tdy, Some(&tb)).map_err(e)?;
         let mut dz_abs = vec![0.0; rows * out];
         let mut dz_err = vec![0.0; rows * out];
         for ro in 0..rows * out {
