@@ -4,6 +4,7 @@
 
 use crate::DType;
 use crate::device::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
+use kernels_gpu::cast::{CastArgs, cast_kernel};
 use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
@@ -109,6 +110,11 @@ fn host_kernels() -> BTreeMap<String, usize> {
         put(fill_kernel(dt), fl);
         put(uniform_kernel(dt), rnd);
         put(normal_kernel(dt), rnd);
+    }
+    for (from, to) in DType::ALL.into_iter().flat_map(|a| DType::ALL.map(|b| (a, b))) {
+        if let Some(name) = cast_kernel(from, to) {
+            m.insert(name.into(), arity::<CastArgs<f32, f32>>());
+        }
     }
     m.insert("math_probe_f32".into(), arity::<MathProbeArgs>());
     m.insert(MATH_PROBE_POW.into(), arity::<MathProbePowArgs>());
