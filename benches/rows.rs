@@ -123,7 +123,7 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
                 let g = g()?;
                 Box::new(move || {
                     let gr = if layer {
-                        ops::layer_norm_backward(&x, Some(&w), true, &st, &g)?
+                        ops::layer_norm_backward(&x, Some(&w), Some(&b), &st, &g)?
                     } else {
                         ops::rms_norm_backward(&x, Some(&w), &st, &g)?
                     };

@@ -168,8 +168,8 @@ fn run(dev: &Device) -> kernels::Result<bool> {
         let (loss, saved) = ops::cross_entropy(&logits, &yt, CrossEntropyOpts::default())?;
         // Backward.
         let dlogits = ops::cross_entropy_backward(&logits, &yt, &saved, &one)?;
-        let g2 = ops::linear_backward(&h, &params[2], &logits, &s2, &dlogits, true)?;
-        let g1 = ops::linear_backward(&xt, &params[0], &h, &s1, &g2.x, true)?;
+        let g2 = ops::linear_backward(&h, &params[2], &logits, &s2, &dlogits, Some(&params[3]))?;
+        let g1 = ops::linear_backward(&xt, &params[0], &h, &s1, &g2.x, Some(&params[1]))?;
         let grads = [g1.weight, g1.bias.expect("bias"), g2.weight, g2.bias.expect("bias")];
 
         let l = loss.to_vec::<f32>()?[0];

@@ -1,4 +1,5 @@
-//! Launch geometry: pure functions of the problem size and the GPU, tested on the CPU.
+//! Launch geometry: pure functions of the problem size and the GPU, tested on the CPU. Internal
+//! to the crate; each is total (no input panics: `no_input_panics` below checks them all).
 
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
@@ -13,20 +14,26 @@ use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 /// benches/NOTES.md), this reaches PyTorch's bandwidth where a single wave of resident blocks
 /// looping over the tensor stays ~5% below it. Tensors smaller than one wave: one vector per
 /// thread instead, spreading the few loads over as many SMs as possible, since there the time
-/// is the latency of one pass, not bandwidth. Never fewer threads than tail elements.
+/// is the latency of one pass, not bandwidth. Never fewer threads than tail elements. A `vec`
+/// or `unroll` of 0 counts as 1.
 pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: u32) -> Option<LaunchConfig> {
     if n == 0 {
         return None;
     }
+    let (vec, unroll) = (vec.max(1), unroll.max(1));
     let nv = n / vec;
     let sms = sm_count.max(1) as u64;
-    let wave = sms * blocks_per_sm.max(1) as u64 * BLOCK as u64;
+    let wave = sms.saturating_mul(blocks_per_sm.max(1) as u64).saturating_mul(BLOCK as u64);
     let threads = if nv.div_ceil(unroll) >= wave { nv.div_ceil(unroll) } else { nv.min(wave) };
     let threads = threads.max(n % vec).max(1);
     // Below a wave, smaller blocks (down to one warp) put the work on every SM rather than on
     // a few full ones: 2^16 f32 elements are 128 blocks of 128 threads instead of 64 of 256.
-    let block =
-        if threads >= wave { BLOCK as u64 } else { threads.div_ceil(sms).next_multiple_of(32).clamp(32, BLOCK as u64) };
+    // (Capped before rounding up to a warp, which BLOCK is a multiple of: no overflow.)
+    let block = if threads >= wave {
+        BLOCK as u64
+    } else {
+        threads.div_ceil(sms).min(BLOCK as u64).next_multiple_of(32).max(32)
+    };
     let grid = threads.div_ceil(block).min(i32::MAX as u64) as u32;
     Some(LaunchConfig { grid: (grid, 1, 1), block: (block as u32, 1, 1), shared_bytes: 0 })
 }
@@ -38,6 +45,7 @@ pub fn elementwise(n: u64, vec: u64, unroll: u64, sm_count: u32, blocks_per_sm: 
 /// tail element, in blocks of [`small_block`] threads (a constant of those kernels). At this size
 /// a launch is the latency of one pass, which twice the threads with half the math each shorten
 /// (2^16 f32: 64 blocks of 512 threads, two elements each; bf16: 128 blocks of 128, four each).
+/// Also `None` past the grid's 2^31 - 1 blocks (a `resident` no GPU has).
 pub fn elementwise_small(n: u64, dt: kernels_gpu::DType, resident: u64) -> Option<LaunchConfig> {
     let vec = (16 / dt.size()) as u64;
     let halves = half_vectors(n, vec);
@@ -46,7 +54,7 @@ pub fn elementwise_small(n: u64, dt: kernels_gpu::DType, resident: u64) -> Optio
     }
     let threads = halves.max(n - halves * (vec / 2));
     let block = small_block(dt);
-    let grid = threads.div_ceil(block as u64) as u32;
+    let grid = u32::try_from(threads.div_ceil(block as u64)).ok().filter(|&g| g <= i32::MAX as u32)?;
     Some(LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_bytes: 0 })
 }
 
@@ -54,13 +62,13 @@ pub fn elementwise_small(n: u64, dt: kernels_gpu::DType, resident: u64) -> Optio
 /// elements a thread, no loop; `kernels_gpu::elementwise::chunk`): a [`CHUNK_BLOCK`]-thread block
 /// for every `per_thread * CHUNK_BLOCK` vectors, and at least one for the tail. `None` for
 /// `n = 0`; an error (naming `op`) where that would pass the grid's 2^31 - 1 blocks (2^40 f32
-/// elements, more than any GPU holds).
+/// elements, more than any GPU holds). A `vec` of 0 counts as 1.
 pub fn elementwise_chunks(op: &'static str, n: u64, vec: u64, per_thread: u64) -> Result<Option<LaunchConfig>> {
     if n == 0 {
         return Ok(None);
     }
-    let b = CHUNK_BLOCK as u64;
-    let blocks = (n / vec).div_ceil(per_thread.max(1) * b).max((n % vec).div_ceil(b));
+    let (b, vec) = (CHUNK_BLOCK as u64, vec.max(1));
+    let blocks = (n / vec).div_ceil(per_thread.max(1).saturating_mul(b)).max((n % vec).div_ceil(b));
     let grid = u32::try_from(blocks).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| Error::InvalidArgument {
         op,
         message: format!("{n} elements need {blocks} blocks of {per_thread} x {b} vectors, past the grid's 2^31 - 1"),
@@ -80,7 +88,7 @@ pub fn col_reduce(rows: u64, cols: u64, sm_count: u32, blocks_per_sm: u32) -> Op
     let gx = cols.div_ceil(COL_BLOCK_X as u64);
     // Four waves of resident blocks: each thread's loop over its rows is a chain of dependent
     // loads and adds, so more, shorter chains keep more bytes in flight.
-    let blocks = 4 * sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64;
+    let blocks = (4 * sm_count.max(1) as u64).saturating_mul(blocks_per_sm.max(1) as u64);
     let chunks = blocks.div_ceil(gx).clamp(1, rows.div_ceil(COL_BLOCK_Y as u64)).min(65_535) as u32;
     let smem = 2 * COL_BLOCK_X * COL_BLOCK_Y * 4;
     Some((
@@ -101,7 +109,8 @@ pub fn one_per_thread(n: u64) -> Option<LaunchConfig> {
 /// elements) at `per_thread` each: a power of two up to 32, a multiple of 32 up to 1024.
 pub fn group_size(units: u64, per_thread: u64) -> u32 {
     let want = units.div_ceil(per_thread.max(1)).max(1);
-    if want <= 32 { want.next_power_of_two() as u32 } else { want.next_multiple_of(32).min(MAX_GROUP as u64) as u32 }
+    // Capped before rounding up (MAX_GROUP is a multiple of 32): no overflow.
+    if want <= 32 { want.next_power_of_two() as u32 } else { want.min(MAX_GROUP as u64).next_multiple_of(32) as u32 }
 }
 
 /// Launch of a row kernel over `rows` rows with groups of `g` threads: blocks of `(g, R)` with
@@ -109,9 +118,10 @@ pub fn group_size(units: u64, per_thread: u64) -> u32 {
 /// block otherwise, one block per `R` rows, and the shared memory of the group reductions.
 /// The grid is capped at 2^31 - 1 blocks; the streaming kernels loop over the rows beyond it,
 /// and the register-resident ones are only chosen when no cap applies (see
-/// [`rows_fit_grid`]). `None` when `rows` is 0.
+/// [`rows_fit_grid`]). `None` when `rows` is 0, or `g` is not a group size (1 to
+/// [`MAX_GROUP`]).
 pub fn rows(rows: u64, g: u32) -> Option<LaunchConfig> {
-    if rows == 0 {
+    if rows == 0 || !(1..=MAX_GROUP).contains(&g) {
         return None;
     }
     let r = (ROW_BLOCK / g).max(1);
@@ -119,9 +129,9 @@ pub fn rows(rows: u64, g: u32) -> Option<LaunchConfig> {
     Some(LaunchConfig { grid: (blocks, 1, 1), block: (g, r, 1), shared_bytes: reduce_smem_bytes(g * r) })
 }
 
-/// Whether [`rows`] gives every row its own group (no grid cap).
+/// Whether [`rows`] gives every row its own group (no grid cap); false where it gives no launch.
 pub fn rows_fit_grid(rows: u64, g: u32) -> bool {
-    rows.div_ceil((ROW_BLOCK / g).max(1) as u64) <= i32::MAX as u64
+    (1..=MAX_GROUP).contains(&g) && rows.div_ceil((ROW_BLOCK / g).max(1) as u64) <= i32::MAX as u64
 }
 
 /// How [`reg_vectors`] spreads a row over the threads of its group.
@@ -165,16 +175,18 @@ pub fn reg_vectors(nvec: u64, available: &[usize], spread: Spread) -> Option<usi
     if nvec == 0 {
         return None;
     }
+    let holds = |v: usize, threads: u64| nvec <= (v as u64).saturating_mul(threads);
     if spread == Spread::Fewest {
-        return available.iter().copied().find(|&v| nvec <= v as u64 * MAX_GROUP as u64);
+        return available.iter().copied().find(|&v| holds(v, MAX_GROUP as u64));
     }
     let most = available.iter().copied().max()?;
+    // Capped before rounding up to a power of two (`min` of powers of two): no overflow.
     let floor = match spread {
-        Spread::Wide => (nvec.next_power_of_two().min(4) as usize).min(most),
-        Spread::Two => (nvec.next_power_of_two().min(2) as usize).min(most),
+        Spread::Wide => (nvec.min(4).next_power_of_two() as usize).min(most),
+        Spread::Two => (nvec.min(2).next_power_of_two() as usize).min(most),
         _ => 1,
     };
-    let fits = |limit: u64| available.iter().copied().filter(|&v| v >= floor).find(|&v| nvec <= v as u64 * limit);
+    let fits = |limit: u64| available.iter().copied().filter(|&v| v >= floor).find(|&v| holds(v, limit));
     [128, 256, 512, MAX_GROUP as u64].into_iter().find_map(fits)
 }
 
@@ -187,15 +199,76 @@ pub fn cluster_split(nvec: u64, v: u64, sizes: &[u32], max_threads: u32) -> Opti
         return None;
     }
     let most = max_threads.min(MAX_GROUP) as u64;
-    sizes.iter().find_map(|&c| {
-        let g = nvec.div_ceil(c as u64).div_ceil(v.max(1)).next_multiple_of(32);
-        (g <= most).then_some((c, g as u32))
+    sizes.iter().filter(|&&c| c > 0).find_map(|&c| {
+        let g = nvec.div_ceil(c as u64).div_ceil(v.max(1));
+        // Rounded up to a warp only once within `most` (at most 1024): no overflow.
+        let g = (g <= most).then(|| g.next_multiple_of(32)).filter(|&g| g <= most)?;
+        Some((c, g as u32))
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn any_u64() -> impl Strategy<Value = u64> {
+        prop_oneof![Just(0u64), Just(1), Just(u64::MAX), 0..1u64 << 12, any::<u64>()]
+    }
+    fn any_u32() -> impl Strategy<Value = u32> {
+        prop_oneof![Just(0u32), Just(1), Just(u32::MAX), 0..1u32 << 12, any::<u32>()]
+    }
+
+    proptest! {
+        /// Every planning function is total: no input overflows or divides by zero (the tests
+        /// build with overflow checks). Where a launch comes back, it covers its elements.
+        #[test]
+        fn no_input_panics(
+            n in any_u64(),
+            a in any_u64(),
+            b in any_u64(),
+            s in any_u32(),
+            t in any_u32(),
+            sizes in proptest::collection::vec(any_u32(), 0..4),
+            avail in proptest::collection::vec(any_u64(), 0..4),
+        ) {
+            if let Some(c) = elementwise(n, a, b, s, t) {
+                prop_assert!(c.grid.0 >= 1 && (32..=BLOCK).contains(&c.block.0));
+            }
+            for dt in kernels_gpu::DType::ALL {
+                let _ = elementwise_small(n, dt, a);
+            }
+            let _ = elementwise_chunks("t", n, a, b);
+            let _ = col_reduce(n, a, s, t);
+            let _ = one_per_thread(n);
+            prop_assert!((1..=MAX_GROUP).contains(&group_size(n, a)));
+            let r = rows(n, s);
+            prop_assert_eq!(r.is_some(), n > 0 && (1..=MAX_GROUP).contains(&s));
+            let _ = rows_fit_grid(n, s);
+            let avail: Vec<usize> = avail.into_iter().map(|v| v as usize).collect();
+            for spread in [Spread::Narrow, Spread::Wide, Spread::Two, Spread::Fewest] {
+                if let Some(v) = reg_vectors(n, &avail, spread) {
+                    prop_assert!(avail.contains(&v));
+                }
+            }
+            if let Some((c, g)) = cluster_split(n, a, &sizes, t) {
+                prop_assert!(sizes.contains(&c) && g.is_multiple_of(32) && g <= t.min(MAX_GROUP));
+            }
+        }
+    }
+
+    #[test]
+    fn degenerate_inputs_are_no_launch() {
+        assert_eq!(rows(1, 0), None);
+        assert_eq!(rows(1, MAX_GROUP + 1), None);
+        assert!(!rows_fit_grid(1, 0));
+        assert_eq!(cluster_split(8, 1, &[0], 1024), None);
+        assert_eq!(cluster_split(u64::MAX, 1, &[1], u32::MAX), None);
+        assert_eq!(reg_vectors(u64::MAX, &[usize::MAX], Spread::Wide), Some(usize::MAX));
+        // A vector or unroll of 0 is taken as 1, not divided by.
+        assert_eq!(elementwise(5, 0, 0, 132, 8), elementwise(5, 1, 1, 132, 8));
+        assert_eq!(group_size(u64::MAX, 1), MAX_GROUP);
+    }
 
     #[test]
     fn elementwise_covers_every_element() {

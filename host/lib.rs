@@ -21,9 +21,13 @@
 //! ```
 //!
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
-//! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), [`launch`] the
-//! launch geometry, [`error`] the error type, [`interop`] borrowed memory and foreign streams
-//! (PyTorch).
+//! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), `launch` (inside
+//! the crate) the launch geometry, [`error`] the error type, [`interop`] borrowed memory and
+//! foreign streams (PyTorch).
+//!
+//! The cargo feature `internals` (off by default) adds `ops::mathprobe`, which runs the device
+//! math library's functions one by one for the project's own accuracy tests. It is not part of
+//! the stable API: it may change or go in any release.
 
 // Every public item says what it is: CI's clippy turns a missing doc into an error.
 #![warn(missing_docs)]
@@ -31,11 +35,21 @@
 pub mod device;
 pub mod error;
 pub mod interop;
-pub mod launch;
+pub(crate) mod launch;
 pub mod ops;
 pub mod tensor;
+
+#[cfg(test)]
+mod ptx_tests;
 
 pub use device::{Device, Event, device_count};
 pub use error::{Error, Result};
 pub use kernels_gpu::DType;
 pub use tensor::{Element, IndexTensor, Tensor};
+
+/// The GPU architectures whose PTX this build embeds (`"sm_80"`, `"sm_90"`), oldest first. A
+/// device runs the newest its compute capability allows ([`Device::ptx_arch`]), as PyTorch's
+/// `torch.cuda.get_arch_list()` lists what a build supports.
+pub fn ptx_arches() -> &'static [&'static str] {
+    &device::PTX_ARCHES
+}

@@ -4,6 +4,7 @@ use crate::DType;
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use half::{bf16, f16};
+use std::fmt;
 use std::sync::Arc;
 
 /// Host element types and their [`DType`]: `f32`, `half::f16`, `half::bf16`.
@@ -68,6 +69,50 @@ impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Tensor({:?}, {:?}, cuda:{})", self.shape, self.dtype, self.device().ordinal())
     }
+}
+
+/// How many leading values [`Tensor`]'s `Display` reads back and shows.
+const DISPLAY_VALUES: usize = 6;
+
+impl fmt::Display for Tensor {
+    /// `Tensor[4096, 1024] bf16 cuda:0 [0.1235, -1.5, 0, 3.25, inf, NaN, ...]`: the shape, dtype,
+    /// device and the first few values, each with the fewest digits that identify it in its dtype.
+    /// Reads back only those values, after the work queued on the device; if that fails, the
+    /// error's text stands in for the values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor{:?} {} cuda:{} ", self.shape, self.dtype.suffix(), self.device().ordinal())?;
+        match self.leading_f32(DISPLAY_VALUES) {
+            Ok(v) => f.write_str(&format_values(&v, self.dtype, self.numel())),
+            Err(e) => write!(f, "<{e}>"),
+        }
+    }
+}
+
+/// `[a, b, c, ...]`: `values` (the first of `total`, as f32) in `dtype`'s shortest form, and `...`
+/// where more follow.
+fn format_values(values: &[f32], dtype: DType, total: usize) -> String {
+    let mut items: Vec<String> = values.iter().map(|&x| format_value(x, dtype)).collect();
+    if total > values.len() {
+        items.push("...".into());
+    }
+    format!("[{}]", items.join(", "))
+}
+
+/// `x` (a value of `dtype`, widened to f32) with the fewest significant digits that read back as
+/// the same `dtype` value, in exponent form below 1e-4 and from 1e6 on in magnitude.
+fn format_value(x: f32, dtype: DType) -> String {
+    let same = |y: f32| match dtype {
+        DType::F32 => y.to_bits() == x.to_bits(),
+        DType::F16 => f16::from_f32(y).to_bits() == f16::from_f32(x).to_bits(),
+        DType::BF16 => bf16::from_f32(y).to_bits() == bf16::from_f32(x).to_bits(),
+    };
+    // f32's own `Display` is already the shortest; f16 and bf16 need fewer digits than f32.
+    let x = if dtype == DType::F32 || !x.is_finite() {
+        x
+    } else {
+        (0..9).filter_map(|p| format!("{x:.p$e}").parse::<f32>().ok()).find(|&y| same(y)).unwrap_or(x)
+    };
+    if x.is_finite() && x != 0.0 && !(1e-4..1e6).contains(&x.abs()) { format!("{x:e}") } else { format!("{x}") }
 }
 
 /// Number of elements of `shape`, or an error if it overflows.
@@ -217,6 +262,62 @@ impl Tensor {
         }
     }
 
+    /// The first `k` elements (all of them if fewer), widened to f32; reads back only those.
+    fn leading_f32(&self, k: usize) -> Result<Vec<f32>> {
+        fn read<T: Element>(t: &Tensor, k: usize) -> Result<Vec<f32>> {
+            let mut v = vec![T::from_f32(0.0); k];
+            // SAFETY: the first `k <= numel` elements of the tensor's memory, which `t`, borrowed
+            // until the read is done, keeps alive; dropping a borrowed buffer leaves it alone.
+            let prefix = unsafe { DeviceBuffer::borrowed(t.device(), t.buf.ptr(), k * T::DTYPE.size()) };
+            prefix.copy_to_host(&mut v)?;
+            Ok(v.into_iter().map(T::to_f32).collect())
+        }
+        let k = k.min(self.numel());
+        match self.dtype {
+            DType::F32 => read::<f32>(self, k),
+            DType::F16 => read::<f16>(self, k),
+            DType::BF16 => read::<bf16>(self, k),
+        }
+    }
+
+    /// The value of a tensor of one element (of any shape: `[]`, `[1]`, `[1, 1]`...), as
+    /// PyTorch's `.item()`; `T` must match the dtype. An error for any other element count.
+    pub fn to_scalar<T: Element>(&self) -> Result<T> {
+        let op = "Tensor::to_scalar";
+        if self.numel() != 1 {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("needs a tensor of one element, got shape {:?}", self.shape),
+            });
+        }
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch { op, expected: self.dtype, got: T::DTYPE });
+        }
+        let v = self.to_vec::<T>()?;
+        v.first().copied().ok_or_else(|| Error::InvalidArgument { op, message: "internal: no value read".into() })
+    }
+
+    /// The tensor converted to `dtype` on the device, as PyTorch's `.to(dtype)`: rounded to
+    /// nearest even, infinities and signed zeros kept, NaN a NaN; widening is exact. To its own
+    /// dtype it is [`clone`](Clone::clone): the memory is shared, nothing is copied.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        use kernels_gpu::cast::{CastArgs, GROUP, cast_kernel};
+        let op = "Tensor::to_dtype";
+        let Some(kernel) = cast_kernel(self.dtype, dtype) else { return Ok(self.clone()) };
+        let dev = self.device();
+        let mut y = Self::alloc(op, dev, &self.shape, dtype)?;
+        let n = self.numel() as u64;
+        let Some(cfg) = crate::launch::elementwise(n, GROUP, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
+            return Ok(y);
+        };
+        crate::ops::with_elem!(self.dtype, |S| crate::ops::with_elem!(dtype, |D| {
+            let args: CastArgs<S, D> = (self.dev_ptr(), y.dev_ptr_mut()?, n);
+            // SAFETY: self holds n elements of S, y (a new allocation) n of D.
+            unsafe { dev.launch(kernel, cfg, args) }
+        }))?;
+        Ok(y)
+    }
+
     /// A copy in new device memory, made now (`clone` shares the memory instead).
     pub fn try_clone(&self) -> Result<Tensor> {
         let op = "Tensor::try_clone";
@@ -291,8 +392,12 @@ impl Tensor {
 /// A contiguous tensor of `i64` indices on a GPU: class targets of a cross-entropy, results of
 /// an argmax (PyTorch's `int64` index tensors). Kept apart from [`Tensor`], whose dtypes are
 /// the floating-point ones every op computes on, so an op cannot be handed indices by mistake.
+///
+/// `clone` is cheap: the clones share the device memory. Indices are written only by what
+/// creates them, before they are handed out, so no clone ever sees another change.
+#[derive(Clone)]
 pub struct IndexTensor {
-    buf: DeviceBuffer,
+    buf: Arc<DeviceBuffer>,
     shape: Vec<usize>,
 }
 
@@ -314,21 +419,29 @@ impl IndexTensor {
             });
         }
         let mut t = Self::alloc(op, dev, shape)?;
-        t.buf.copy_from_host(data)?;
+        t.fresh_buf(op)?.copy_from_host(data)?;
         Ok(t)
     }
 
     /// All zeros.
     pub fn zeros(dev: &Device, shape: &[usize]) -> Result<IndexTensor> {
-        let mut t = Self::alloc("IndexTensor::zeros", dev, shape)?;
-        t.buf.memset(0)?;
+        let op = "IndexTensor::zeros";
+        let mut t = Self::alloc(op, dev, shape)?;
+        t.fresh_buf(op)?.memset(0)?;
         Ok(t)
+    }
+
+    /// The memory of a tensor just allocated, which no clone shares yet (the error is
+    /// unreachable, and no reason to panic).
+    fn fresh_buf(&mut self, op: &'static str) -> Result<&mut DeviceBuffer> {
+        Arc::get_mut(&mut self.buf)
+            .ok_or(Error::InvalidArgument { op, message: "internal: a new index tensor's memory is shared".into() })
     }
 
     /// Indices over `buf`, which holds exactly `shape`'s element count of i64.
     pub(crate) fn from_buffer(buf: DeviceBuffer, shape: Vec<usize>) -> IndexTensor {
         debug_assert_eq!(shape.iter().product::<usize>() * 8, buf.bytes());
-        IndexTensor { buf, shape }
+        IndexTensor { buf: Arc::new(buf), shape }
     }
 
     /// Uninitialised indices (written by the op that allocates them).
@@ -337,7 +450,7 @@ impl IndexTensor {
         let bytes = n
             .checked_mul(8)
             .ok_or_else(|| Error::InvalidArgument { op, message: format!("shape {shape:?} of i64 is too large") })?;
-        Ok(IndexTensor { buf: dev.alloc(op, bytes)?, shape: shape.to_vec() })
+        Ok(IndexTensor { buf: Arc::new(dev.alloc(op, bytes)?), shape: shape.to_vec() })
     }
 
     /// Copies the indices back.
@@ -363,7 +476,49 @@ impl IndexTensor {
     pub(crate) fn dev_ptr(&self) -> *const i64 {
         self.buf.ptr() as *const i64
     }
+    /// For the op that allocated the tensor to write it, before handing it out: no clone shares
+    /// the memory yet (see the type's `clone`).
     pub(crate) fn dev_ptr_mut(&mut self) -> *mut i64 {
         self.buf.ptr() as *mut i64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_values_are_short_and_exact() {
+        let f = |x: f32, dt| format_value(x, dt);
+        // bf16's 0.1234 is 0.12353515625: four digits identify it.
+        assert_eq!(f(bf16::from_f32(0.1234).to_f32(), DType::BF16), "0.1235");
+        assert_eq!(f(f16::from_f32(0.1234).to_f32(), DType::F16), "0.1234");
+        assert_eq!(f(0.1234, DType::F32), "0.1234");
+        assert_eq!(f(-1.5, DType::BF16), "-1.5");
+        assert_eq!(f(0.0, DType::F16), "0");
+        assert_eq!(f(-0.0, DType::F32), "-0");
+        assert_eq!(f(f32::INFINITY, DType::F16), "inf");
+        assert_eq!(f(f32::NEG_INFINITY, DType::BF16), "-inf");
+        assert_eq!(f(f32::NAN, DType::F32), "NaN");
+        assert_eq!(f(65504.0, DType::F16), "65500"); // f16's largest: no other f16 is nearer 65500
+        assert_eq!(f(1e6, DType::F32), "1e6");
+        assert_eq!(f(f16::from_bits(1).to_f32(), DType::F16), "6e-8"); // the smallest denormal
+        assert_eq!(f(f32::MAX, DType::F32), "3.4028235e38");
+        assert_eq!(f(1e-4, DType::F32), "0.0001");
+        // Every f16 and bf16 value reads back as itself.
+        for bits in 0..=u16::MAX {
+            let (h, b) = (f16::from_bits(bits), bf16::from_bits(bits));
+            let (sh, sb) = (f(h.to_f32(), DType::F16), f(b.to_f32(), DType::BF16));
+            let (rh, rb) = (f16::from_f32(sh.parse().unwrap()), bf16::from_f32(sb.parse().unwrap()));
+            assert!(rh.to_bits() == bits || h.is_nan() && rh.is_nan(), "f16 {bits:#06x}: {sh}");
+            assert!(rb.to_bits() == bits || b.is_nan() && rb.is_nan(), "bf16 {bits:#06x}: {sb}");
+        }
+    }
+
+    #[test]
+    fn display_lists_the_leading_values() {
+        assert_eq!(format_values(&[], DType::F32, 0), "[]");
+        assert_eq!(format_values(&[1.0, -2.5], DType::F32, 2), "[1, -2.5]");
+        assert_eq!(format_values(&[1.0, -2.5], DType::BF16, 4096), "[1, -2.5, ...]");
     }
 }

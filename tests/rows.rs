@@ -283,7 +283,7 @@ fn norm_case(
     let (wo, bo) = if affine { (Some(&w), if layer { Some(&b) } else { None }) } else { (None, None) };
     let (y, stats) = if layer { ops::layer_norm(&x, wo, bo, eps) } else { ops::rms_norm(&x, wo, eps) }.map_err(e)?;
     let grads = if layer {
-        ops::layer_norm_backward(&x, wo, bo.is_some(), &stats, &g)
+        ops::layer_norm_backward(&x, wo, bo, &stats, &g)
     } else {
         ops::rms_norm_backward(&x, wo, &stats, &g)
     }
@@ -409,7 +409,7 @@ fn norm_case(
     }
     if let Some(gw) = &grads.weight {
         let again = if layer {
-            ops::layer_norm_backward(&x, wo, bo.is_some(), &stats, &g)
+            ops::layer_norm_backward(&x, wo, bo, &stats, &g)
         } else {
             ops::rms_norm_backward(&x, wo, &stats, &g)
         }

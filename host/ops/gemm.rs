@@ -7,7 +7,7 @@
 //! Launch logic: one block per 128 x 128 tile of C and per batch. When C has fewer tiles than
 //! the GPU has SMs and K is long enough to share out, K is split into slices computed as a batch
 //! into a workspace and summed in a fixed order by a second kernel (deterministic; see
-//! [`plan`]). Problems beyond the grid's limits (more than 65535 row tiles or batches) are
+//! `plan`). Problems beyond the grid's limits (more than 65535 row tiles or batches) are
 //! launched in pieces.
 
 use super::{Activation, check_same_device};
@@ -52,6 +52,12 @@ impl Gemm {
     pub fn new(trans_a: bool, trans_b: bool) -> Gemm {
         Gemm { trans_a, trans_b, ..Gemm::default() }
     }
+
+    /// Whether [`gemm_ex`] applies `act` as it stores C (identity, relu, GELU, GELU-tanh, SiLU);
+    /// [`linear`](super::linear()) runs the others as a separate element-wise pass.
+    pub fn can_fuse(act: Activation) -> bool {
+        fused_activation(act).is_some()
+    }
 }
 
 /// How an f32 product is computed: the levels of PyTorch's `torch.set_float32_matmul_precision`
@@ -94,7 +100,7 @@ fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64), max_sha
 
 /// The epilogue code of an activation the GEMM can apply as it stores, `None` for the others
 /// (which [`mod@super::linear`] applies with a separate element-wise kernel).
-pub fn fused_activation(act: Activation) -> Option<u32> {
+pub(crate) fn fused_activation(act: Activation) -> Option<u32> {
     match act {
         Activation::Identity => Some(EPI_IDENTITY),
         Activation::Relu => Some(EPI_RELU),
@@ -105,18 +111,21 @@ pub fn fused_activation(act: Activation) -> Option<u32> {
     }
 }
 
+/// The shortest K slice of a split: `plan` keeps every slice at least this long.
+const MIN_SLICE: u64 = 256;
+
 /// Largest `grid.y` and `grid.z`; larger problems are launched in pieces.
 const MAX_GRID_YZ: u64 = 65_535;
 
 /// How one GEMM runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GemmPlan {
+struct GemmPlan {
     /// The kernel's tile shape.
-    pub tile: Tile,
+    tile: Tile,
     /// K slices (1: no split).
-    pub splits: u64,
+    splits: u64,
     /// K elements per slice (a multiple of the stage depth, except when `splits == 1`).
-    pub chunk: u64,
+    chunk: u64,
 }
 
 /// The plan for a batch of `batch` products of `m x k` by `k x n` on a GPU with `sms` SMs.
@@ -127,13 +136,14 @@ pub struct GemmPlan {
 /// costs as much as the first: 64 tiles split 5 ways ran 0.52 ms at 128 x 8192 x 8192, 4 ways
 /// 0.40 ms), and keeps each slice at least 256 long, so that the partial sums
 /// written to and read back from the workspace (`splits * m * n` floats) stay small next to the
-/// product's `2 m n k` flops.
-pub fn plan(m: u64, n: u64, k: u64, batch: u64, sms: u64) -> GemmPlan {
+/// product's `2 m n k` flops. Total: any sizes give a plan (saturating where a product of
+/// them would overflow).
+fn plan(m: u64, n: u64, k: u64, batch: u64, sms: u64) -> GemmPlan {
     let tile = TILE_128;
-    let tiles = m.div_ceil(tile.bm as u64) * n.div_ceil(tile.bn as u64);
-    const MIN_SLICE: u64 = 256;
+    let tiles = m.div_ceil(tile.bm as u64).saturating_mul(n.div_ceil(tile.bn as u64));
     if batch == 1 && tiles > 0 && tiles < sms && k >= 2 * MIN_SLICE {
-        let splits = (2 * sms / tiles).min(k / MIN_SLICE);
+        // chunk >= k / splits, so k.div_ceil(chunk) <= splits <= k / MIN_SLICE.
+        let splits = (sms.saturating_mul(2) / tiles).min(k / MIN_SLICE);
         if splits > 1 {
             let chunk = k.div_ceil(splits).div_ceil(BK as u64) * BK as u64;
             return GemmPlan { tile, splits: k.div_ceil(chunk), chunk };
@@ -307,7 +317,7 @@ fn launch_tiles(
 }
 
 /// The GEMM with every option: `C = act(alpha * op(A) @ op(B) + beta * C + bias)`, `bias` a
-/// vector of `n` (one per column of C), `act` one of the activations [`fused_activation`]
+/// vector of `n` (one per column of C), `act` one of the activations [`Gemm::can_fuse`]
 /// accepts. A, B and C are f32 matrices (2-D) or batches (3-D); a 2-D A or B is shared by every
 /// matrix of a batched C. Any sizes, empty ones included (`k = 0` gives `act(beta * C + bias)`).
 pub fn gemm_ex(a: &Tensor, b: &Tensor, c: &mut Tensor, g: Gemm, bias: Option<&Tensor>, act: Activation) -> Result<()> {
@@ -454,6 +464,7 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn plan_splits_k_only_when_tiles_are_too_few() {
@@ -502,5 +513,27 @@ mod tests {
         assert_eq!(fused_activation(Activation::Gelu), Some(EPI_GELU));
         assert_eq!(fused_activation(Activation::Silu), Some(EPI_SILU));
         assert_eq!(fused_activation(Activation::Mish), None);
+        assert!(Gemm::can_fuse(Activation::GeluTanh) && !Gemm::can_fuse(Activation::Sigmoid));
+    }
+
+    fn size() -> impl Strategy<Value = u64> {
+        prop_oneof![Just(0u64), Just(1), Just(u64::MAX), Just(u64::MAX - 1), 0..1u64 << 20, any::<u64>()]
+    }
+
+    proptest! {
+        /// Any sizes give a plan, never a panic, and its slices cover K exactly: `splits - 1`
+        /// whole chunks short of K, `splits` past it, each at least `MIN_SLICE` long.
+        #[test]
+        fn plan_is_total_and_covers_k(m in size(), n in size(), k in size(), batch in size(), sms in size()) {
+            let p = plan(m, n, k, batch, sms);
+            prop_assert!(p.splits >= 1);
+            if p.splits == 1 {
+                prop_assert_eq!(p.chunk, k);
+            } else {
+                prop_assert!(batch == 1 && p.chunk >= MIN_SLICE && p.chunk.is_multiple_of(BK as u64), "{:?}", p);
+                prop_assert!(p.chunk * (p.splits - 1) < k && p.chunk.checked_mul(p.splits).is_none_or(|c| c >= k));
+                prop_assert!(p.splits <= k / MIN_SLICE, "{:?}", p);
+            }
+        }
     }
 }

@@ -124,18 +124,18 @@ pub fn linear_train(
 }
 
 /// Gradients of `y = act(x @ W^T + b)` given `dy` (y's shape): `x`, `weight` and `y` as in the
-/// forward (`y` is read for relu, `saved.pre` for the other activations), `has_bias` whether to
-/// return the bias gradient.
+/// forward (`y` is read for relu, `saved.pre` for the other activations), `bias` the forward's:
+/// its gradient is returned if given (the bias's value is not needed, only whether there is one).
 pub fn linear_backward(
     x: &Tensor,
     weight: &Tensor,
     y: &Tensor,
     saved: &LinearSaved,
     dy: &Tensor,
-    has_bias: bool,
+    bias: Option<&Tensor>,
 ) -> Result<LinearGrads> {
     let op = "linear_backward";
-    let (rows, inp, out) = shapes(op, x, weight, None)?;
+    let (rows, inp, out) = shapes(op, x, weight, bias)?;
     for (name, t) in [("y", y), ("dy", dy)] {
         if t.numel() != rows * out || t.shape().last() != Some(&out) || t.dtype() != DType::F32 {
             return Err(Error::InvalidArgument {
@@ -179,6 +179,6 @@ pub fn linear_backward(
     let mut dw = Tensor::alloc(op, x.device(), &[out, inp], DType::F32)?;
     gemm_dims(op, (dz, dzd), (x, xd), (&mut dw, wd), Gemm::new(true, false), None, Activation::Identity)?;
     // db = the column sums of dz over all its leading dimensions.
-    let db = if has_bias { Some(reduce_leading_dims(dz, ReduceOp::Sum)?) } else { None };
+    let db = if bias.is_some() { Some(reduce_leading_dims(dz, ReduceOp::Sum)?) } else { None };
     Ok(LinearGrads { x: dx, weight: dw, bias: db })
 }

@@ -1,5 +1,8 @@
 //! Runs one function of the device math library over f32 inputs (host side of
 //! `kernels-gpu/src/mathprobe.rs`), to measure its accuracy on the GPU.
+//!
+//! Unstable (the `internals` feature): for the project's own accuracy tests, not part of the API.
+#![cfg(feature = "internals")]
 
 use crate::DType;
 use crate::error::{Error, Result};

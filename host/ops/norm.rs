@@ -564,15 +564,18 @@ pub fn layer_norm(x: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, ep
     forward("layer_norm", Kind::Layer, x, weight, bias, eps)
 }
 
-/// Gradients of [`layer_norm`]: of `x`, and of the weight and (if `bias` was used) the bias.
+/// Gradients of [`layer_norm`]: of `x`, of the weight if given, and of the bias if given. `weight`
+/// and `bias` are the forward's (the bias's value is not needed, only whether there is one).
 pub fn layer_norm_backward(
     x: &Tensor,
     weight: Option<&Tensor>,
-    bias: bool,
+    bias: Option<&Tensor>,
     stats: &NormStats,
     grad: &Tensor,
 ) -> Result<NormGrads> {
-    backward("layer_norm_backward", Kind::Layer, x, weight, bias, stats, grad)
+    let op = "layer_norm_backward";
+    check_param(op, x, bias, "the bias must match the last dimension")?;
+    backward(op, Kind::Layer, x, weight, bias.is_some(), stats, grad)
 }
 
 /// RMS norm over the last dimension, as `F.rms_norm(x, (cols,), weight, eps)`:

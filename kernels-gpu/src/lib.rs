@@ -34,6 +34,7 @@ macro_rules! unroll {
     }};
 }
 
+pub mod cast;
 pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;

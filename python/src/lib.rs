@@ -628,7 +628,7 @@ fn cross_entropy_bwd(
 /// code in `ACTIVATIONS`.
 fn linear_activation(code: u8) -> PyResult<Activation> {
     let act = activation(code, 0.0, 0.0)?;
-    if ops::fused_activation(act).is_none() {
+    if !Gemm::can_fuse(act) {
         return Err(PyValueError::new_err(format!(
             "linear: activation {act:?} is not fused into the GEMM (see LINEAR_ACTIVATIONS)"
         )));
@@ -809,7 +809,7 @@ fn f32_matmul_precision(py: Python<'_>, ordinal: usize) -> PyResult<&'static str
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("PTX_ARCH", kernels::device::PTX_ARCHES.join(","))?;
+    m.add("PTX_ARCH", kernels::ptx_arches().join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add("UNARY_OPS", unary_rows())?;
     let fused: Vec<&str> =
