@@ -893,7 +893,7 @@ impl OutputGradFn for Tanh {
 /// The element-wise op table: every unary op and activation, one row each, declared once.
 ///
 /// A row is `kind stem Type params y domain torch module doc;`:
-/// - `kind`: `math` (a [`UnaryOp`](../../kernels/ops/enum.UnaryOp.html) of its own) or `act`
+/// - `kind`: `math` (a variant of the host's `kernels::ops::UnaryOp`) or `act`
 ///   (an activation, also usable in the fused `act(x * scale + bias)` and, where the GEMM has it,
 ///   in the matrix products' epilogue);
 /// - `stem`: the name everywhere (kernels `<stem>_fwd_<dtype>`, ..., the `Tensor` method, the
@@ -921,37 +921,37 @@ impl OutputGradFn for Tanh {
 macro_rules! unary_table {
     ($($m:ident)::+ $(! $($args:tt)*)?) => {
         $($m)::+! { [$($($args)*)?]
-            math neg         Neg         {}                                   yx normal   "torch.neg"   ""       "`-x`.";
-            math add_scalar  AddScalar   (s = 1.5)                            y1 normal   "torch.add"   ""       "`x + s`.";
-            math sub_scalar  SubScalar   (s = 1.5)                            y1 normal   "torch.sub"   ""       "`x - s`.";
-            math mul_scalar  MulScalar   (s = 1.5)                            yx normal   "torch.mul"   ""       "`x * s`.";
-            math div_scalar  DivScalar   (s = 1.5)                            yx normal   "torch.div"   ""       "`x / s`, as PyTorch divides by a scalar: `x * (1 / s)`, the reciprocal rounded once.";
-            math abs         Abs         {}                                    - normal   "torch.abs"   ""       "`|x|` (derivative `sign(x)`, 0 at 0, as PyTorch).";
-            math exp         Exp         {}                                    y normal   "torch.exp"   ""       "`e^x`.";
-            math log         Log         {}                                    - positive "torch.log"   ""       "The natural logarithm (NaN below 0, `-inf` at 0).";
-            math expm1       Expm1       {}                                    - normal   "torch.expm1" ""       "`e^x - 1`, accurate near 0.";
-            math log1p       Log1p       {}                                    - positive "torch.log1p" ""       "`log(1 + x)`, accurate near 0.";
-            math erf         Erf         {}                                    - normal   "torch.erf"   ""       "The error function.";
-            math sqrt        Sqrt        {}                                    y positive "torch.sqrt"  ""       "`sqrt(x)` (NaN below 0).";
-            math rsqrt       Rsqrt       {}                                    y positive "torch.rsqrt" ""       "`1 / sqrt(x)`.";
-            math pow         Pow         (p = 2.5)                             - positive "torch.pow"   ""       "`x ^ p`.";
-            math clamp       Clamp       {min = -0.5, max = 0.5}               - normal   "torch.clamp" ""       "`min(max(x, min), max)`, NaN propagated.";
-            act  identity    Identity    {}                                   y1 normal   "lambda x: x" ""       "`x`.";
-            act  relu        Relu        {}                                   yx normal   "F.relu"      "ReLU"   "`max(x, 0)`; NaN stays NaN.";
-            act  leaky_relu  LeakyRelu   {negative_slope = 0.01}              yx normal   "F.leaky_relu" "LeakyReLU" "`x` where `x > 0`, else `negative_slope * x`.";
-            act  sigmoid     Sigmoid     {}                                    y normal   "torch.sigmoid" "Sigmoid" "`1 / (1 + e^-x)`.";
-            act  tanh        Tanh        {}                                    y normal   "torch.tanh"  "Tanh"   "`tanh(x)`.";
-            act  gelu        Gelu        {}                                    - normal   "F.gelu"      ""       "GELU, `x Phi(x)` with the exact normal CDF (erf form, PyTorch's default).";
-            act  gelu_tanh   GeluTanh    {}                                    - normal   "lambda x: F.gelu(x, approximate='tanh')" "" "PyTorch's `gelu(x, approximate=\"tanh\")`.";
-            act  silu        Silu        {}                                    - normal   "F.silu"      "SiLU"   "`x * sigmoid(x)`, also called Swish.";
-            act  mish        Mish        {}                                    - normal   "F.mish"      "Mish"   "`x * tanh(softplus(x))`.";
-            act  softplus    Softplus    {beta = 1.0, threshold = 20.0}        - normal   "F.softplus"  "Softplus" "`log(1 + exp(beta x)) / beta`, and `x` where `beta x > threshold`.";
-            act  elu         Elu         {alpha = 1.0}                         - normal   "F.elu"       "ELU"    "`x` for `x > 0`, else `alpha (e^x - 1)`.";
-            act  selu        Selu        {}                                    - normal   "F.selu"      "SELU"   "`scale x` for `x > 0`, else `scale alpha (e^x - 1)` (self-normalising constants).";
-            act  celu        Celu        {alpha = 1.0}                         - normal   "F.celu"      "CELU"   "`x` for `x > 0`, else `alpha (e^(x / alpha) - 1)`; `alpha` must not be 0.";
-            act  hardswish   Hardswish   {}                                    - normal   "F.hardswish" "Hardswish" "`x min(max(x + 3, 0), 6) / 6`.";
-            act  hardsigmoid Hardsigmoid {}                                    - normal   "F.hardsigmoid" "Hardsigmoid" "`min(max(x + 3, 0), 6) / 6`.";
-            act  softsign    Softsign    {}                                    - normal   "F.softsign"  "Softsign" "`x / (1 + |x|)`.";
+            math neg         Neg         {}                             yx normal   "torch.neg"                               ""            "`-x`.";
+            math add_scalar  AddScalar   (s = 1.5)                      y1 normal   "torch.add"                               ""            "`x + s`.";
+            math sub_scalar  SubScalar   (s = 1.5)                      y1 normal   "torch.sub"                               ""            "`x - s`.";
+            math mul_scalar  MulScalar   (s = 1.5)                      yx normal   "torch.mul"                               ""            "`x * s`.";
+            math div_scalar  DivScalar   (s = 1.5)                      yx normal   "torch.div"                               ""            "`x / s`, as PyTorch divides by a scalar: `x * (1 / s)`, the reciprocal rounded once.";
+            math abs         Abs         {}                             -  normal   "torch.abs"                               ""            "`|x|` (derivative `sign(x)`, 0 at 0, as PyTorch).";
+            math exp         Exp         {}                             y  normal   "torch.exp"                               ""            "`e^x`.";
+            math log         Log         {}                             -  positive "torch.log"                               ""            "The natural logarithm (NaN below 0, `-inf` at 0).";
+            math expm1       Expm1       {}                             -  normal   "torch.expm1"                             ""            "`e^x - 1`, accurate near 0.";
+            math log1p       Log1p       {}                             -  positive "torch.log1p"                             ""            "`log(1 + x)`, accurate near 0.";
+            math erf         Erf         {}                             -  normal   "torch.erf"                               ""            "The error function.";
+            math sqrt        Sqrt        {}                             y  positive "torch.sqrt"                              ""            "`sqrt(x)` (NaN below 0).";
+            math rsqrt       Rsqrt       {}                             y  positive "torch.rsqrt"                             ""            "`1 / sqrt(x)`.";
+            math pow         Pow         (p = 2.5)                      -  positive "torch.pow"                               ""            "`x ^ p`.";
+            math clamp       Clamp       {min = -0.5, max = 0.5}        -  normal   "torch.clamp"                             ""            "`min(max(x, min), max)`, NaN propagated.";
+            act  identity    Identity    {}                             y1 normal   "lambda x: x"                             ""            "`x`.";
+            act  relu        Relu        {}                             yx normal   "F.relu"                                  "ReLU"        "`max(x, 0)`; NaN stays NaN.";
+            act  leaky_relu  LeakyRelu   {negative_slope = 0.01}        yx normal   "F.leaky_relu"                            "LeakyReLU"   "`x` where `x > 0`, else `negative_slope * x`.";
+            act  sigmoid     Sigmoid     {}                             y  normal   "torch.sigmoid"                           "Sigmoid"     "`1 / (1 + e^-x)`.";
+            act  tanh        Tanh        {}                             y  normal   "torch.tanh"                              "Tanh"        "`tanh(x)`.";
+            act  gelu        Gelu        {}                             -  normal   "F.gelu"                                  ""            "GELU, `x Phi(x)` with the exact normal CDF (erf form, PyTorch's default).";
+            act  gelu_tanh   GeluTanh    {}                             -  normal   "lambda x: F.gelu(x, approximate='tanh')" ""            "PyTorch's `gelu(x, approximate=\"tanh\")`.";
+            act  silu        Silu        {}                             -  normal   "F.silu"                                  "SiLU"        "`x * sigmoid(x)`, also called Swish.";
+            act  mish        Mish        {}                             -  normal   "F.mish"                                  "Mish"        "`x * tanh(softplus(x))`.";
+            act  softplus    Softplus    {beta = 1.0, threshold = 20.0} -  normal   "F.softplus"                              "Softplus"    "`log(1 + exp(beta x)) / beta`, and `x` where `beta x > threshold`.";
+            act  elu         Elu         {alpha = 1.0}                  -  normal   "F.elu"                                   "ELU"         "`x` for `x > 0`, else `alpha (e^x - 1)`.";
+            act  selu        Selu        {}                             -  normal   "F.selu"                                  "SELU"        "`scale x` for `x > 0`, else `scale alpha (e^x - 1)` (self-normalising constants).";
+            act  celu        Celu        {alpha = 1.0}                  -  normal   "F.celu"                                  "CELU"        "`x` for `x > 0`, else `alpha (e^(x / alpha) - 1)`; `alpha` must not be 0.";
+            act  hardswish   Hardswish   {}                             -  normal   "F.hardswish"                             "Hardswish"   "`x min(max(x + 3, 0), 6) / 6`.";
+            act  hardsigmoid Hardsigmoid {}                             -  normal   "F.hardsigmoid"                           "Hardsigmoid" "`min(max(x + 3, 0), 6) / 6`.";
+            act  softsign    Softsign    {}                             -  normal   "F.softsign"                              "Softsign"    "`x / (1 + |x|)`.";
         }
     };
 }

@@ -813,7 +813,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add("UNARY_OPS", unary_rows())?;
     let fused: Vec<&str> =
-        Activation::ALL.iter().filter(|&&a| ops::fused_activation(a).is_some()).map(|a| a.name()).collect();
+        Activation::ALL.iter().filter(|&&a| Gemm::can_fuse(a)).map(|a| a.name()).collect();
     m.add("LINEAR_ACTIVATIONS", fused)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(set_f32_matmul_precision, m)?)?;
