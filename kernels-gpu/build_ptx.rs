@@ -2,19 +2,177 @@
 // the PTX in the library) and `cargo xtask build-ptx` (which writes it out and checks it with
 // ptxas). Plain std only: it is `include!`d / `#[path]`-imported, not a crate.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The cargo that runs the device build. `-Zbuild-std=core` needs a nightly, and the PTX is that
+/// of the nightly pinned in `rust-toolchain.toml`, with its `rust-src`.
+pub enum DeviceCargo {
+    /// The cargo running this build, which is that nightly (the workspace's own builds).
+    Direct(OsString),
+    /// The pinned toolchain's own cargo and rustc (by path, so that no `rustc` on PATH and no
+    /// rustup setting can substitute another), for a build by another toolchain (a dependent on
+    /// stable).
+    Pinned { channel: String, sysroot: PathBuf },
+}
+
+impl DeviceCargo {
+    fn command(&self) -> Command {
+        match self {
+            DeviceCargo::Direct(cargo) => Command::new(cargo),
+            DeviceCargo::Pinned { channel, sysroot } => {
+                let bin = |name: &str| sysroot.join("bin").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+                let mut cmd = Command::new(bin("cargo"));
+                without_outer_toolchain(&mut cmd);
+                cmd.env("RUSTC", bin("rustc")).env("RUSTUP_TOOLCHAIN", channel);
+                cmd
+            }
+        }
+    }
+}
+
+/// Removes the outer build's choice of toolchain and compiler from `cmd`'s environment: cargo
+/// hands a build script its own `rustc` (`RUSTC`) and rustup its toolchain (`RUSTUP_TOOLCHAIN`),
+/// which would override the pinned one, as would a `build.rustc` or `build.rustc-wrapper`
+/// (`CARGO_BUILD_*`).
+fn without_outer_toolchain(cmd: &mut Command) {
+    for var in
+        ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTDOC", "RUSTC_WRAPPER", "CARGO", "RUSTDOCFLAGS", "CARGO_ENCODED_RUSTDOCFLAGS"]
+    {
+        cmd.env_remove(var);
+    }
+    for (var, _) in std::env::vars_os() {
+        if var.to_str().is_some_and(|v| v.starts_with("CARGO_BUILD_")) {
+            cmd.env_remove(var);
+        }
+    }
+}
+
+/// `rustup`, for the pinned toolchain whatever the outer build's, installing nothing unasked.
+fn rustup() -> Command {
+    let mut cmd = Command::new("rustup");
+    without_outer_toolchain(&mut cmd);
+    cmd.env("RUSTUP_AUTO_INSTALL", "0").env("RUST_BACKTRACE", "0");
+    cmd
+}
+
+/// The `channel` of the `[toolchain]` table of a `rust-toolchain.toml`.
+pub fn toolchain_channel(toml: &str) -> Option<String> {
+    let mut in_toolchain = false;
+    for line in toml.lines().map(|l| l.split('#').next().unwrap_or("").trim()) {
+        if line.starts_with('[') {
+            in_toolchain = line == "[toolchain]";
+        } else if in_toolchain
+            && let Some((key, value)) = line.split_once('=')
+            && key.trim() == "channel"
+        {
+            let value = value.trim().trim_matches('"').trim();
+            return (!value.is_empty()).then(|| value.to_string());
+        }
+    }
+    None
+}
+
+/// Finds the device build's cargo for the workspace at `workspace`, installing the nightly its
+/// `rust-toolchain.toml` names through rustup when it is missing (rustup 1.28 and later no
+/// longer install it on first use). Errors are one sentence that says what to install.
+pub fn device_cargo(workspace: &Path) -> Result<DeviceCargo, String> {
+    let file = workspace.join("rust-toolchain.toml");
+    let channel = std::fs::read_to_string(&file)
+        .ok()
+        .and_then(|t| toolchain_channel(&t))
+        .ok_or_else(|| format!("no toolchain channel in {}", file.display()))?;
+    let install = format!("rustup toolchain install {channel} --profile minimal --component rust-src");
+    let need = format!("the GPU kernels are compiled by Rust {channel} with its rust-src component");
+    let outer = std::env::var_os("CARGO");
+    let sysroot = match pinned_sysroot(&channel) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // No rustup: a nightly cargo may do (a toolchain from elsewhere, with rust-src).
+            if let Some(cargo) = outer.filter(is_nightly) {
+                return Ok(DeviceCargo::Direct(cargo));
+            }
+            return Err(format!(
+                "{need}, which the build gets through rustup: install rustup (https://rustup.rs), then run `{install}`"
+            ));
+        }
+        Err(e) => return Err(format!("{need}, but rustup could not be run ({e}): run `{install}`")),
+        Ok(Some(sysroot)) => sysroot,
+        Ok(None) => {
+            let out = rustup()
+                .args(["toolchain", "install", &channel, "--profile", "minimal", "--component", "rust-src"])
+                .output();
+            match out {
+                Ok(o) if o.status.success() => {}
+                Ok(o) => {
+                    return Err(format!(
+                        "{need}, which rustup failed to install ({}): run `{install}`",
+                        rustup_error(&o.stderr)
+                    ));
+                }
+                Err(e) => return Err(format!("{need}, which rustup failed to install ({e}): run `{install}`")),
+            }
+            pinned_sysroot(&channel)
+                .ok()
+                .flatten()
+                .ok_or_else(|| format!("{need}, which rustup installed but cannot run: run `{install}`"))?
+        }
+    };
+    if !sysroot.join("lib/rustlib/src/rust/library/core/Cargo.toml").is_file() {
+        let added = rustup().args(["component", "add", "rust-src", "--toolchain", &channel]).output();
+        if !added.is_ok_and(|o| o.status.success()) {
+            return Err(format!("{need}, which is missing: run `rustup component add rust-src --toolchain {channel}`"));
+        }
+    }
+    // The outer cargo is `<sysroot>/bin/cargo`: when it is the pinned toolchain's, it runs the
+    // device build itself.
+    let same = |cargo: &OsString| {
+        let outer_root = Path::new(cargo).parent().and_then(Path::parent).and_then(|p| p.canonicalize().ok());
+        outer_root.is_some() && outer_root == sysroot.canonicalize().ok()
+    };
+    Ok(match outer {
+        Some(cargo) if same(&cargo) => DeviceCargo::Direct(cargo),
+        _ => DeviceCargo::Pinned { channel, sysroot },
+    })
+}
+
+/// The sysroot of an installed rustup toolchain, `None` where it is not installed.
+fn pinned_sysroot(channel: &str) -> std::io::Result<Option<PathBuf>> {
+    let out = rustup().args(["run", channel, "rustc", "--print", "sysroot"]).output()?;
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    Ok((out.status.success() && !path.is_empty()).then(|| PathBuf::from(path)))
+}
+
+fn is_nightly(cargo: &OsString) -> bool {
+    Command::new(cargo).arg("-V").output().is_ok_and(|o| {
+        let v = String::from_utf8_lossy(&o.stdout);
+        v.contains("-nightly") || v.contains("-dev")
+    })
+}
+
+/// rustup's error message (its first `error:` line; it may be followed by a backtrace).
+fn rustup_error(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let error = lines.clone().find_map(|l| l.strip_prefix("error: "));
+    error.or_else(|| lines.next_back()).unwrap_or("no message").to_string()
+}
+
 /// Builds `kernels-gpu` (at `crate_dir`) for `nvptx64-nvidia-cuda` and `arch` (`sm_80`,
-/// `sm_90`, `sm_90a`, ...) in its own `target_dir`, and writes the PTX to `out`.
+/// `sm_90`, `sm_90a`, ...) with `cargo`, in its own `target_dir`, and writes the PTX to `out`.
 ///
 /// The crate is built as a `staticlib` with fat LTO, so the one `.s` file holds every kernel and
-/// whatever `core` code they use; no linker is involved (see `shared/toolchain.md`).
+/// whatever `core` code they use; no linker is involved.
 /// Returns rustc's warnings about the device crate (the lines of each `warning:` block), which
 /// the callers show: cargo hides a build script's output.
-pub fn build_ptx(crate_dir: &Path, target_dir: &Path, arch: &str, out: &Path) -> Result<Vec<String>, String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
+pub fn build_ptx(
+    cargo: &DeviceCargo,
+    crate_dir: &Path,
+    target_dir: &Path,
+    arch: &str,
+    out: &Path,
+) -> Result<Vec<String>, String> {
+    let mut cmd = cargo.command();
     cmd.current_dir(crate_dir)
         .args(["rustc", "--release", "--lib", "--crate-type", "staticlib"])
         .args(["--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
@@ -165,4 +323,20 @@ pub fn add_launch_bounds(ptx: &str) -> String {
 #[allow(dead_code)]
 pub fn default_ptx_target_dir(workspace: &Path) -> PathBuf {
     workspace.join("target").join("ptx")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::toolchain_channel;
+
+    #[test]
+    fn channel_of_the_toolchain_file() {
+        let file = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../rust-toolchain.toml")).unwrap();
+        let channel = toolchain_channel(&file).unwrap();
+        assert!(channel.starts_with("nightly-"), "{channel}");
+        let toml = "[other]\nchannel = \"x\"\n[toolchain] # pinned\n  channel= \"nightly-2026-01-02\" # note\n";
+        assert_eq!(toolchain_channel(toml).as_deref(), Some("nightly-2026-01-02"));
+        assert_eq!(toolchain_channel("[toolchain]\ncomponents = []\n"), None);
+        assert_eq!(toolchain_channel("[toolchain]\nchannel = \"\"\n"), None);
+    }
 }

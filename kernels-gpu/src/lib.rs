@@ -14,11 +14,15 @@
 // The host build's public items are the API the host crate uses: each says what it is (CI's
 // clippy makes a missing doc an error). The device build's are kernels, named by their macros.
 #![cfg_attr(not(target_arch = "nvptx64"), warn(missing_docs))]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
-#![feature(core_float_math)]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_float_math))]
 // `#[inline(always)]` on closures: the per-vector bodies passed to the loop helpers must be inlined
 // (an outlined closure gets its captures through local memory).
 #![cfg_attr(target_arch = "nvptx64", feature(stmt_expr_attributes))]
+
+// The host build links std for its f32 math (`mul_add`, `sqrt`; core's are unstable), so that
+// it builds on stable Rust for a dependent of the library.
+#[cfg(not(target_arch = "nvptx64"))]
+extern crate std;
 
 /// Writes `$body` out once per literal, with `$k` a constant of type `$t` bound to it. The GEMM
 /// kernels need straight-line code with constant indices: shared-memory offsets as immediates

@@ -58,7 +58,14 @@
 /// CPU (the hardware instruction where the target has one, a soft fma otherwise).
 #[inline(always)]
 pub fn fma(a: f32, b: f32, c: f32) -> f32 {
-    core::f32::math::mul_add(a, b, c)
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::f32::math::mul_add(a, b, c)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        a.mul_add(b, c)
+    }
 }
 
 /// `1 / d` for `d >= 2^-62` (including `+inf`; NaN gives NaN), as `div.rn` gives it, without a
@@ -121,14 +128,21 @@ pub fn rsqrt(x: f32) -> f32 {
     // same f32 but for inputs within 2^-44 of a rounding boundary.
     #[cfg(not(target_arch = "nvptx64"))]
     {
-        (1.0 / core::f64::math::sqrt(x as f64)) as f32
+        (1.0 / (x as f64).sqrt()) as f32
     }
 }
 
 /// Correctly rounded square root (`sqrt.rn.f32` on the GPU).
 #[inline(always)]
 pub fn sqrt(x: f32) -> f32 {
-    core::f32::math::sqrt(x)
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::f32::math::sqrt(x)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        x.sqrt()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 //! `build-ptx`: the PTX build (shared with the root `build.rs`), finding `ptxas`, and reading
 //! its `-v` report.
 
-use crate::build_ptx::{build_ptx, default_ptx_target_dir};
+use crate::build_ptx::{build_ptx, default_ptx_target_dir, device_cargo};
 use crate::{BuildPtxOpts, workspace_root};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,14 +19,15 @@ pub fn build(root: &Path, arch: &str) -> Result<PathBuf, String> {
     std::fs::create_dir_all(&scratch_dir).map_err(|e| format!("cannot create {}: {e}", scratch_dir.display()))?;
     let scratch = scratch_dir.join(format!("kernels-{arch}.ptx"));
     let crate_dir = root.join("kernels-gpu");
-    let warnings = match build_ptx(&crate_dir, &target_dir, arch, &scratch) {
+    let cargo = device_cargo(root)?;
+    let warnings = match build_ptx(&cargo, &crate_dir, &target_dir, arch, &scratch) {
         Ok(w) => w,
         Err(e) => {
             if scratch.exists() || !e.starts_with("no PTX at") {
                 return Err(e);
             }
             forget_fingerprint(&target_dir);
-            build_ptx(&crate_dir, &target_dir, arch, &scratch)?
+            build_ptx(&cargo, &crate_dir, &target_dir, arch, &scratch)?
         }
     };
     // The host build's warnings fail CI through clippy's -D warnings; the device build's
