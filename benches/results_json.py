@@ -41,7 +41,8 @@ def record(op, dtype, n, direction, unit, ours, baseline, ratio, **extra):
     if shape is not None:
         r["shape"] = shape
     r.update({k: v for k, v in extra.items() if v is not None})
-    return r
+    # Four decimals are finer than any of these measurements.
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
 
 
 def environment():
@@ -82,9 +83,11 @@ def new_run(run_id=None, date=None, **meta):
     return run
 
 
-def add_table(path, kind, records, title=None, baseline="PyTorch eager", **extra):
-    """Appends one table to the run file at `path` (created for this machine if absent)."""
-    run = load(path) if os.path.exists(path) and os.path.getsize(path) > 0 else new_run()
+def add_table(path, kind, records, title=None, baseline="PyTorch eager", append=True, **extra):
+    """Appends one table to the run file at `path` (created for this machine if absent, or
+    replaced where `append` is false)."""
+    fresh = not append or not os.path.exists(path) or os.path.getsize(path) == 0
+    run = new_run() if fresh else load(path)
     t = {"kind": kind, "part": None, "title": title, "section": None, "baseline": baseline}
     t.update({k: v for k, v in extra.items() if v is not None})
     t["records"] = records
