@@ -6,7 +6,10 @@ case, alternating, each replayed by ncu with the caches flushed and the clocks l
         python3 benches/ncu_small.py run NAMES.json [--iters N] [--filter REGEX]
     python3 benches/ncu_small.py report OUT.csv NAMES.json [RESULT.json]
 
-Why (benches/NOTES.md, twenty-first session): paired with CUDA events (`torch_paired.py`), what is
+RESULT.json is a run file in the format of docs/results/ (benches/results_json.py) with one table
+of kind "ncu": kernel durations in ns, ratio = PyTorch's median over ours.
+
+Why (docs/worklog.md, 2026-11-26d): paired with CUDA events (`torch_paired.py`), what is
 left between the two libraries at 2^16 is one to three steps of the event timer, in cases that
 change from run to run. This measures the kernels alone. The cases are `torch_paired.py`'s
 element-wise ones with a PyTorch kernel of their own (not autograd's compositions), built by its
@@ -27,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pairstats  # noqa: E402
+import results_json  # noqa: E402
 
 MARKER = "spin_kernel"  # `cuda::<unnamed>::spin_kernel(long)` in ncu 2025.3
 
@@ -125,8 +129,19 @@ def report(path, names_path, out_json=None):
               "standard errors of the trimmed difference"
               + (": " + ", ".join(f"{r['name']} {r['diff_ns']:+.0f} ns" for r in slow) if slow else ""))
     if out_json:
-        with open(out_json, "w") as f:
-            json.dump(records, f, indent=1)
+        results_json.add_table(out_json, "ncu", [as_result(r) for r in records], append=False,
+                               title="the kernels alone under Nsight Compute (gpu__time_duration)")
+
+
+def as_result(r):
+    """A record of this script as one of docs/results/: names are DTYPE/DIR/OP/SIZE."""
+    dt, direction, op, size = r["name"].split("/")
+    n = 1
+    for d in size.split("x"):
+        n *= int(d)
+    op = f"{op}@{size}" if "x" in size else op
+    return results_json.record(op, dt, n, direction, "ns", r["ours_ns"], r["torch_ns"], r["ratio"], diff_ns=r["diff_ns"],
+                               diff_se_ns=r["diff_se_ns"], slower=r["slower"], pairs=r["pairs"], kernel=r["ours_kernel"])
 
 
 def main():

@@ -1,5 +1,5 @@
 //! Row-operation benchmarks: softmax, layer norm and RMS norm (forward and backward) on the four
-//! shapes of `../shared/bench-suite.md` and a small one, log-softmax, cross-entropy forward +
+//! standard shapes and a small one, log-softmax, cross-entropy forward +
 //! backward at 8192 x 32000, sums (whole tensor, along rows, and over the rows per column at
 //! 8192 x 4096: a linear layer's bias gradient), and transpose. Timed by the
 //! shared harness (`benches/harness`: do_bench's method, L2 flushed before every run, medians);

@@ -1,8 +1,9 @@
 """PyTorch baselines for benches/elementwise.rs: the same ops, sizes, dtypes and directions,
-timed exactly as /work/shared/anchors.py times PyTorch (triton.testing.do_bench, warmup=25,
-rep=200, median: CUDA events, L2 flushed before every run), written as the same JSON records
-as the Rust bench ({"name", "op", "dtype", "n", "direction", "bytes", "ms", "gbs"}), so that
-scripts/compare.py joins the two on (op, dtype, n, direction).
+timed with triton.testing.do_bench (warmup=25, rep=200, median: CUDA events, L2 flushed before
+every run), written as the same JSON records as the Rust bench ({"name", "op", "dtype", "n",
+"direction", "bytes", "ms", "gbs"}), so that scripts/compare.py joins the two on (op, dtype, n,
+direction). The device-to-device copy (`copy`, a clone) is the bandwidth ceiling compare.py
+reports.
 
     python3 benches/torch_elementwise.py torch.json [REGEX]
 

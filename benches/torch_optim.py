@@ -1,7 +1,7 @@
 """PyTorch baselines for benches/optim.rs: one torch.optim.AdamW(fused=True) step on 2^24
-parameters of f32 and bf16, timed as /work/shared/anchors.py times PyTorch
-(triton.testing.do_bench, warmup=25, rep=200, median), written as the same JSON records as the
-Rust bench, so that scripts/compare.py joins the two on (op, dtype, n, direction).
+parameters of f32 and bf16, timed with triton.testing.do_bench (warmup=25, rep=200, median),
+written as the same JSON records as the Rust bench, so that scripts/compare.py joins the two on
+(op, dtype, n, direction).
 
     python3 benches/torch_optim.py torch_optim.json [REGEX]
 

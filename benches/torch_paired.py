@@ -3,7 +3,10 @@ by launch, on the same tensors and stream.
 
     python3 benches/torch_paired.py OUT.json [--iters N] [--filter REGEX] [--half-scan] [--log2-size K]
 
-Why (benches/NOTES.md, twentieth session): at 2^16 elements a launch takes 4-6 us, and in
+OUT.json is a run file in the format of docs/results/ (benches/results_json.py) with one table of
+kind "paired": times in us, ratio = PyTorch's median time over ours.
+
+Why (docs/worklog.md, 2026-11-26c): at 2^16 elements a launch takes 4-6 us, and in
 either library a launch lands near one of two levels about 0.7 us apart. Which one changes from
 one measurement window to the next, in the same process on the same tensors: do_bench twice on
 the same PyTorch kernel gave 4.61 and 5.31 us. Separate runs of the two libraries (the Rust
@@ -28,7 +31,6 @@ Backward cases that PyTorch composes with autograd are marked `autograd` (its ho
 kernel, is what such a ratio measures). Ratio = PyTorch's time / ours: above 1, ours is faster.
 """
 import argparse
-import json
 import os
 import re
 import statistics
@@ -38,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pairstats  # noqa: E402
+import results_json  # noqa: E402
 import torch_elementwise as te  # noqa: E402
 import torch_rows as tr  # noqa: E402
 from kernels_torch import _native, _ops  # noqa: E402
@@ -254,6 +257,21 @@ def cases(half_scan=False):
     return out
 
 
+def n_label(n):
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
+
+
+def as_result(r):
+    """A record of this script as one of docs/results/ (benches/results_json.py)."""
+    size = r["size"]
+    op = f"{r['op']}@{size}" if "x" in size else r["op"]
+    n = ROWS * COLS if "x" in size else int(size)
+    return results_json.record(op, r["dtype"], n, r["direction"], "us", r["ours_us"], r["torch_us"], r["ratio"],
+                               pairs_ratio=r["pair_ratio"], diff_ns=r["diff_ns"], diff_se_ns=r["diff_se_ns"],
+                               slower=r["slower"], pairs=r["iters"],
+                               note="autograd" if r["torch_autograd"] else None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -295,8 +313,8 @@ def main():
         flag = "  autograd" if autograd else ("  **SLOWER**" if rec["slower"] else "")
         print(f"{name:36s} ours {mo:6.2f} us  torch {mt:6.2f} us  ratio {mt / mo:6.3f}  (pairs {pr:.3f}; "
               f"torch - ours {diff * 1e3:+5.0f} +- {2 * se * 1e3:3.0f} ns){flag}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(records, f, indent=1)
+    title = f"paired against PyTorch ({'bf16 and f16' if args.half_scan else n_label(N)}, {args.iters} pairs)"
+    results_json.add_table(args.out, "paired", [as_result(r) for r in records], title=title, append=False)
     kernel_cases = [r for r in records if not r["torch_autograd"]]
     under = [r for r in kernel_cases if r["ratio"] < 1.0]
     slow = [r for r in kernel_cases if r["slower"]]

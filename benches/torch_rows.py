@@ -1,7 +1,6 @@
 """PyTorch baselines for benches/rows.rs: the same row operations, shapes, dtypes and directions,
-timed as /work/shared/anchors.py times PyTorch (triton.testing.do_bench, warmup=25, rep=200,
-median), written as the same JSON records as the Rust bench, so that scripts/compare.py joins the
-two on (op, dtype, n, direction).
+timed with triton.testing.do_bench (warmup=25, rep=200, median), written as the same JSON records
+as the Rust bench, so that scripts/compare.py joins the two on (op, dtype, n, direction).
 
     python3 benches/torch_rows.py torch_rows.json [REGEX]
 

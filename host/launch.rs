@@ -11,8 +11,8 @@ use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 /// `blocks_per_sm` resident blocks of the kernel each. `None` when there is nothing to do.
 ///
 /// Large tensors: one round per thread (`nv / unroll` threads). Measured on the H100 (see
-/// benches/NOTES.md), this reaches PyTorch's bandwidth where a single wave of resident blocks
-/// looping over the tensor stays ~5% below it. Tensors smaller than one wave: one vector per
+/// docs/worklog.md, 2026-11-22), this reaches PyTorch's bandwidth where a single wave of resident
+/// blocks looping over the tensor stays below it. Tensors smaller than one wave: one vector per
 /// thread instead, spreading the few loads over as many SMs as possible, since there the time
 /// is the latency of one pass, not bandwidth. Never fewer threads than tail elements. A `vec`
 /// or `unroll` of 0 counts as 1.
@@ -143,8 +143,8 @@ pub enum Spread {
     /// As `Narrow`, but at least four vectors a thread where the row has them: four loads in
     /// flight per thread, and a group reduction (a butterfly of shuffles, and for groups over
     /// 32 a round through shared memory) amortised over 16-32 values; with one vector per
-    /// thread a row of 128 f32 spent more time reducing than loading (2607 GB/s for layer norm
-    /// at 262144 x 128 on the H100, against 2900 at 1024 columns). (Not for kernels whose
+    /// thread a row of 128 f32 spent more time reducing than loading (docs/worklog.md,
+    /// 2026-11-23b). (Not for kernels whose
     /// registers grow fastest with the vectors, like the norms' backward, where four vectors of
     /// f32 take 160 registers: their `available` stops below four.)
     Wide,
@@ -152,19 +152,14 @@ pub enum Spread {
     /// vectors differ (two vectors then fit a group of 128 threads). The forwards of softmax,
     /// log-softmax and f16/bf16 RMS norm: a reduction's fixed cost over half the elements, for
     /// more warps in flight (softmax bf16: 32 registers against 44, eight 256-thread blocks an SM
-    /// against five). H100, GB/s against four vectors in the same run (`benches/NOTES.md`,
-    /// twenty-fourth session): softmax bf16 262144 x 128 2621 -> 2682, 131072 x 256 2683 ->
-    /// 2709, 4096 x 256 621 -> 681, f32 262144 x 128 2859 -> 2875, level at 1024 columns and
-    /// more; RMS norm bf16 262144 x 128 2623 -> 2656, f16 2616 -> 2657, bf16 8192 x 512 1673 ->
-    /// 1757. Slower beyond the noise: f32 log-softmax at 8192 x 512 (2068 -> 2028).
+    /// against five). On the H100, against four vectors in the same run, the rows of up to 256 vectors
+    /// gained and those of 1024 columns and more stayed level, except f32 log-softmax at 8192 x 512,
+    /// which lost beyond the noise (docs/worklog.md, 2026-11-26g).
     Two,
     /// The fewest vectors a thread (the largest group, up to 1024 threads). Softmax's backward:
     /// two loads a vector (y and its gradient), one reduction and a multiply-add an element, so
-    /// what pays is threads, i.e. warps in flight, more than loads per thread: on the H100,
-    /// f32 at 16384 x 4096 2989 -> 3022 GB/s (four vectors a thread -> one), 262144 x 128 2877
-    /// -> 2930, bf16 262144 x 128 2645 -> 2763, 8192 x 8192 f32 2992 -> 3003 (four -> two);
-    /// log-softmax's backward at 16384 x 4096 2986 -> 3014 (`benches/NOTES.md`, thirteenth
-    /// session).
+    /// what pays is threads, i.e. warps in flight, more than loads per thread: on the H100 it beat
+    /// four or two vectors a thread at every shape measured (docs/worklog.md, 2026-11-25).
     Fewest,
 }
 

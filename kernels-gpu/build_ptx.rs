@@ -251,7 +251,7 @@ pub fn launch_bound(kernel: &str) -> Option<u32> {
 /// blocks an SM, i.e. 128 registers, where its 64 accumulators, two 8-value fragments and one
 /// staged chunk per operand fit without spilling; given a free hand ptxas takes more and only one
 /// block fits. A tile of fewer threads gets no minimum (a 64 x 64 tile of 64 threads, tried,
-/// stages two chunks per operand and spilled at 128; unbounded it took 144: benches/NOTES.md).
+/// stages two chunks per operand and spilled at 128; unbounded it took 144: docs/worklog.md).
 pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     // The 3xTF32 kernels (kernels-gpu/src/gemm_tf32x3.rs): 256 threads, one block an SM (its
     // 120 KB ring and 64 + 64 accumulators a thread), so no minimum: ptxas takes 214-224.

@@ -3,8 +3,9 @@
 
     KERNELS_BENCH_JSON=ours.json cargo bench --bench elementwise
     python3 benches/torch_elementwise.py torch.json
-    python3 /work/shared/anchors.py anchors.json          # optional, for context
-    python3 scripts/compare.py ours.json torch.json [anchors.json]
+    python3 scripts/compare.py ours.json torch.json [REFERENCE.json] [--json RUN.json]
+
+(Likewise for the `rows` and `optim` benches with benches/torch_rows.py and torch_optim.py.)
 
 Prints a markdown table joined on (op, dtype, n, direction): our GB/s, PyTorch's GB/s, the ratio
 by time (PyTorch's median time over ours: above 1 means we are faster), and our GB/s as a
@@ -12,10 +13,19 @@ percentage of our own device-to-device copy of the largest size (the memory ceil
 flagged when the ratio is under 0.97 at the large size (2^28) or under 1.0 at the small size;
 the fused act(x * scale + bias) rows must be at least 2x faster than PyTorch's three kernels.
 Both files must come from one run on one machine: compare ratios, never absolute numbers
-across runs. Always exits 0.
+across runs. REFERENCE.json (optional): further PyTorch timings of the same run, records of
+{"name", "ms", "gbs"}, listed after the table for context. --json RUN.json appends the table to
+that run file (created if absent) in the format of docs/results/ (benches/results_json.py), which
+scripts/report.py reads. Always exits 0.
 """
 import json
+import os
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# results_json.py sits beside this script in a bundle, in benches/ in the repository.
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "benches")]
+import results_json  # noqa: E402
 
 BIG_MIN_RATIO = 0.97
 SMALL_MIN_RATIO = 1.0
@@ -49,12 +59,21 @@ def num(x, fmt="{:.1f}"):
 
 
 def main():
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    out_json = None
+    if "--json" in args:
+        i = args.index("--json")
+        if i + 1 >= len(args):
+            print(__doc__)
+            return
+        out_json = args[i + 1]
+        del args[i:i + 2]
+    if len(args) < 2:
         print(__doc__)
         return
-    ours = {key(r): r for r in load(sys.argv[1])}
-    torch = {key(r): r for r in load(sys.argv[2])}
-    anchors = load(sys.argv[3]) if len(sys.argv) > 3 else []
+    ours = {key(r): r for r in load(args[0])}
+    torch = {key(r): r for r in load(args[1])}
+    reference = load(args[2]) if len(args) > 2 else []
 
     sizes = sorted({k[2] for k in list(ours) + list(torch)})
     big = sizes[-1] if sizes else 0
@@ -74,7 +93,7 @@ def main():
 
     print("| op | dtype | n | dir | ours GB/s | PyTorch GB/s | ratio (time) | % of copy | note |")
     print("|---|---|---|---|---:|---:|---:|---:|---|")
-    flagged, fused = [], []
+    flagged, fused, records = [], [], []
     order = sorted(set(ours) | set(torch), key=lambda k: (-k[2], k[1] != "f32", k[1], k[0], k[3]))
     for k in order:
         op, dt, n, d = k
@@ -100,6 +119,9 @@ def main():
                 flagged.append((k, ratio, limit))
             if (op, d) in TORCH_ALIASES:
                 notes.append("PyTorch runs no kernel")
+        kept = [x for x in notes if not x.startswith(("**FLAG**", "fused speedup"))]
+        records.append(results_json.record(op, dt, n, d, "GB/s", og, tg, ratio, pct_of_copy=pct,
+                                           note="; ".join(kept) or None))
         print(
             f"| {op} | {dt} | {n_str(n)} | {d} | {num(og)} | {num(tg)} | {num(ratio, '{:.3f}')} | "
             f"{num(pct)} | {'; '.join(notes)} |"
@@ -118,13 +140,19 @@ def main():
     for (op, dt, n, d), r, lim in flagged:
         print(f"- {op} {dt} {n_str(n)} {d}: {r:.3f} (< {lim:g})")
 
-    if anchors:
+    if reference:
         words = ("copy", "add", "mul", "relu", "sigmoid", "tanh", "gelu", "silu", "mish")
-        lines = [a for a in anchors if str(a.get("name", "")).split(" ")[0].startswith(words)]
+        lines = [a for a in reference if str(a.get("name", "")).split(" ")[0].startswith(words)]
         print()
-        print("Anchors (anchors.py, same run), copy and element-wise:")
+        print("PyTorch's reference timings (same run), copy and element-wise:")
         for a in lines:
             print(f"- {a['name']}: {a['ms'] * 1e3:.1f} us, {a['gbs']:.1f} GB/s")
+
+    if out_json:
+        fams = sorted({r["family"] for r in records})
+        results_json.add_table(out_json, "compare", records, title=f"{', '.join(fams)} against PyTorch (compare.py)",
+                               copy_gbs=ceiling)
+        print(f"\nappended {len(records)} records to {out_json}")
 
 
 if __name__ == "__main__":

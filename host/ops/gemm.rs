@@ -72,8 +72,9 @@ pub enum Precision {
     /// TF32 parts and three tensor-core products summed in f32. Each product is held to 2^-21
     /// instead of an FMA's 2^-24, below the error of the f32 sum over K in long products:
     /// measured against f64 at K = 4096, the relative error was 2.7e-7 (FMAs 3.0e-7) on normal
-    /// values and 2.2e-7 (FMAs 8.0e-8) on uniform [0, 1) ones; TF32 alone gave 2.9e-4 and
-    /// 5.6e-6 (benches/NOTES.md). Values below 2^-115 in magnitude are held to 2^-136 absolute.
+    /// values and 2.2e-7 (FMAs 8.0e-8) on uniform [0, 1) ones; TF32 alone gave 2.9e-4 and 5.6e-6
+    /// (docs/worklog.md, 2026-11-24b-gemm). Values below 2^-115 in magnitude are held to 2^-136
+    /// absolute.
     /// PyTorch's `"high"` is plain TF32 (or bf16x3), not this.
     ///
     /// Products with a short K (under 256) or a small C (under 2^18 elements) run the FMA kernel
@@ -133,8 +134,8 @@ struct GemmPlan {
 /// Split-K only for a single product whose C has fewer 128 x 128 tiles than SMs: such a launch
 /// leaves SMs idle whatever K is. The split fills one wave of about two resident blocks per SM
 /// (what the kernel's 128 registers a thread allow) without exceeding it (a second, partial wave
-/// costs as much as the first: 64 tiles split 5 ways ran 0.52 ms at 128 x 8192 x 8192, 4 ways
-/// 0.40 ms), and keeps each slice at least 256 long, so that the partial sums
+/// costs as much as the first: at 128 x 8192 x 8192 five slices ran slower than four;
+/// docs/worklog.md, 2026-11-23-gemm), and keeps each slice at least 256 long, so that the partial sums
 /// written to and read back from the workspace (`splits * m * n` floats) stay small next to the
 /// product's `2 m n k` flops. Total: any sizes give a plan (saturating where a product of
 /// them would overflow).

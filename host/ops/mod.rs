@@ -74,8 +74,8 @@ pub(crate) struct RowPlan {
 /// Whether a register-resident forward (softmax, the norms) may hold rows of `cols` elements of
 /// `dt` at eight vectors a thread: f32 always; f16/bf16 only for rows over 16384, which four
 /// would hold only in blocks over 512 threads (one an SM), while eight hold rows of 32768 in 512
-/// threads, two blocks an SM. Below, eight cost 1-5% (bf16 layer norm at 8192 x 8192: 2781 GB/s
-/// with four, 2647 with eight; `benches/NOTES.md`).
+/// threads, two blocks an SM. Below, eight were slower than four (bf16 layer norm at 8192 x 8192:
+/// docs/worklog.md, 2026-11-23c).
 pub(crate) fn eight_vectors_fwd(dt: kernels_gpu::DType, cols: u64) -> bool {
     dt == kernels_gpu::DType::F32 || cols > 16384
 }
@@ -119,8 +119,8 @@ pub(crate) fn row_plan(
         }
     }
     // Streaming: about four vectors per thread per pass, up to 1024 threads per row. (Sixteen,
-    // i.e. 512 threads and two rows per SM, measured slower on the H100: 1829 against 2073 GB/s
-    // for the f32 softmax backward at 4096 x 32768, 1741 against 1844 for layer norm.)
+    // i.e. 512 threads and two rows per SM, measured slower on the H100 for the f32 softmax
+    // backward and layer norm at 4096 x 32768: docs/worklog.md, 2026-11-25.)
     let kernel = format!("{stem}_stream_{sfx}");
     let max = dev.max_threads(&kernel)? / 32 * 32;
     let g = launch::group_size(cols.div_ceil(vec), 4).min(max.max(32));
@@ -132,15 +132,13 @@ pub(crate) fn row_plan(
 /// `avail` vectors a thread (ascending): [`row_plan`] with `spread` (`Wide` or `Two`), except
 /// where that grid needs more than one wave of resident blocks and `Wide`'s needs one (`Two`'s
 /// more, lighter blocks then wait for a second wave: RMS norm bf16 at 8192 x 512, 8 MiB, lost
-/// 4-8% with a two-vector kernel of 40-47 registers, two waves where four vectors made one),
+/// with a two-vector kernel, two waves where four vectors made one: docs/worklog.md, 2026-11-26g),
 /// and except for launches of fewer rows than four an SM. Those take the fewest vectors a thread
 /// (the most threads a row, up to 1024) whose grid still fits one wave of resident blocks: their
 /// time is the latency of one pass over each row, which more threads a row shorten, until a
-/// second wave would double it. Measured on the H100 against `Spread::Narrow` (the fewest
-/// vectors that keep a group at 128 threads), layer norm f32 8 x 4096 10.1 -> 7.1 us, 128 x
-/// 4096 11.2 -> 8.5, bf16 32 x 4096 8.4 -> 6.7, f32 8 x 16384 10.5 -> 8.9; at 512 x 4096 f32 one
-/// vector a thread would be two waves (18.3 us) where four are one (11.6) (`benches/NOTES.md`,
-/// sixteenth session).
+/// second wave would double it. On the H100 this beat `Spread::Narrow` (the fewest vectors that
+/// keep a group at 128 threads) at every few-row shape measured, and one vector a thread where it
+/// would take two waves lost to four vectors in one (docs/worklog.md, 2026-11-25e).
 pub(crate) fn fwd_row_plan(
     dev: &crate::Device,
     stem: &str,

@@ -63,12 +63,11 @@ impl Kind {
     /// f16/bf16, four for f32.
     ///
     /// f32 RMS norm's four-vector kernel holds 40 registers (six 256-thread blocks an SM) and ran
-    /// 0.9 us faster than two vectors at 65536 x 1024 and 32768 x 1000, and f32 layer norm lost
-    /// with two vectors as often as it gained (H100, twenty-fourth session). Layer norm's f16/bf16
-    /// two-vector kernel holds 32 registers since its parameters' defaults are packed (40 before,
-    /// when two vectors were mixed too); against four vectors (H100, twenty-fifth session, bf16):
-    /// 4096 x 256 +0.53 us (8%), 8192 x 512 +0.20 (2%), 65536 x 1024 +0.77, 131072 x 256 +0.37,
-    /// level at 262144 x 128 and 16384 x 4096.
+    /// faster than two vectors at mid shapes, and f32 layer norm lost with two vectors as often as it
+    /// gained (H100, docs/worklog.md, 2026-11-26g). Layer norm's f16/bf16 two-vector kernel holds 32
+    /// registers since its parameters' defaults are packed (40 before, when two vectors were mixed
+    /// too), and beat four vectors from 4096 x 256 to 65536 x 1024, level at 262144 x 128 and 16384 x
+    /// 4096 (H100, bf16, docs/worklog.md, 2026-11-26h).
     fn fwd_spread(self, dt: DType) -> Spread {
         if dt == DType::F32 { Spread::Wide } else { Spread::Two }
     }
@@ -400,14 +399,12 @@ fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64)
     Ok(None)
 }
 
-/// Most rows the slices backward takes. On the H100 (us, the plans before / slices in eight
-/// blocks, f32 layer norm, benches/NOTES.md nineteenth session): 1 x 1024 7.6 / 6.3 (the single
-/// cluster of a row a block before), 8 x 4096 10.7 / 7.6, 64 x 1024 9.4 / 8.3, 64 x 2048
-/// 11.1 / 10.5, 16 x 8192 15.1 / 11.5, 32 x 4096 12.3 / 11.1; every shape of at most 64 rows
-/// measured was faster, in both norms and f32 and bf16. But 128 x 1024 9.7 / 10.3, 256 x 128
-/// 7.9 / 8.5 and 96 x 1024 (RMS) 9.6 / 9.9: there the persistent plan spreads many short rows
-/// over the whole GPU, the slices hold eight rows a thread on eight SMs (sixteen blocks did
-/// not move that bound either: see `SLICES_ELEMS_PER_BLOCK`).
+/// Most rows the slices backward takes. On the H100 the slices in eight blocks beat the plans
+/// before them (the single cluster of a row a block, the persistent plan) at every shape of at
+/// most 64 rows measured, in both norms and in f32 and bf16; from 96 rows they lost: there the
+/// persistent plan spreads many short rows over the whole GPU, the slices hold eight rows a
+/// thread on eight SMs (sixteen blocks did not move that bound either: see
+/// `SLICES_ELEMS_PER_BLOCK`; docs/worklog.md, 2026-11-26b).
 const SLICES_MAX_ROWS: u64 = 64;
 /// Most elements the slices backward takes: the largest launches measured (64 x 2048, 16 x
 /// 8192, 8 x 16384).
@@ -462,13 +459,12 @@ fn backward_plan(
         let per_sm = dev.blocks_per_sm(&p.kernel, threads, p.cfg.shared_bytes)?;
         // f16/bf16 rows of about 6600-8192 columns take two vectors a thread in 416-512 threads
         // of 72-80 registers: one block an SM, 13-16 warps. A cluster of smaller blocks keeps more
-        // in flight: bf16 at 8192 x 8192 1999 -> 2396 GB/s (H100; f32 at 8192 columns, also one
-        // 512-thread block an SM, went the other way, 2805 -> 2701, and bf16 at 4096 columns,
-        // three 256-thread blocks, 2512 -> 1972: benches/NOTES.md, thirteenth session). Not for
-        // eight rows an SM or fewer: there the one wave of blocks beat the cluster, f16 layer
-        // norm at 600 x 8192 31.9 against 36.5 us, 1056 x 8192 42.4 against 45.1; at 2048 x 8192
-        // the cluster led, 63.0 against 65.7, and at 1200 x 6656 42.1 against 44.3 (twenty-fourth
-        // session). RMS norm's bf16 kernel holds 64 registers, two blocks an SM, and stays.
+        // in flight and was faster for bf16 at 8192 x 8192 on the H100 (f32 at 8192 columns, also one
+        // 512-thread block an SM, went the other way, and so did bf16 at 4096 columns, three
+        // 256-thread blocks: docs/worklog.md, 2026-11-25). Not for eight rows an SM or fewer: there
+        // the one wave of blocks beat the cluster; from about nine rows an SM the cluster led
+        // (docs/worklog.md, 2026-11-26g). RMS norm's bf16 kernel holds 64 registers, two blocks an
+        // SM, and stays.
         let thin = dt != DType::F32 && per_sm * threads < 768 && rows > 8 * dev.sm_count() as u64;
         if thin && let Some(plan) = cluster()? {
             return Ok(Some(plan));

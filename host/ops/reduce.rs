@@ -45,7 +45,7 @@ pub(crate) const REDUCE_ONE_BLOCK_BYTES: u64 = 64 << 10;
 /// 16-byte vectors per thread the row kernels aim for: a group of `ceil(vectors / 8)` threads
 /// per row (up to 1024), so a row of 1024 f32 is one warp's, with no shared-memory stage. With
 /// two vectors per thread (128 threads for that row) the reduction's latency dominated: sums
-/// along 1024-wide rows ran at 2235 GB/s against 2947 for the whole-tensor sum (H100).
+/// along 1024-wide rows ran well behind the whole-tensor sum (H100, docs/worklog.md, 2026-11-23-rows).
 pub(crate) const REDUCE_ROW_VECTORS: u64 = 8;
 
 /// The launches of a whole-tensor reduction.

@@ -18,7 +18,7 @@
 //! `%nctaid`. At that size a launch is the latency of one pass, not bandwidth: twice the threads
 //! of 8-byte half vectors halve each thread's chain of math, the work before the first load is
 //! the thread index alone, and the loads take the coherent path with no in-place test
-//! (`benches/NOTES.md`, twentieth, twenty-first, twenty-third and twenty-fifth sessions).
+//! (docs/worklog.md, 2026-11-26c, 2026-11-26d, 2026-11-26f and 2026-11-26h).
 //!
 //! The row-broadcast kernels and the optimizers keep a grid-stride loop sized by the host to a
 //! few waves of resident blocks, `unroll(T)` vectors in flight a thread a round (`grid_stride`):
@@ -104,13 +104,12 @@ pub const fn chunk_vectors(elements: usize, vec: usize) -> usize {
 /// of the kernels, which the host must launch them with.
 ///
 /// f32: 512 (2^16 elements: 64 blocks, each on an SM of its own, as PyTorch's 64 blocks of 128
-/// threads with eight elements each). Against 128 (H100, twenty-fifth session, the 55 cases at
-/// 2^16 in two processes each): under ncu the kernels 24 ns shorter (median) and none slower than
-/// PyTorch's, where 128 left three or four light f32 kernels 50-108 ns behind; paired with CUDA
-/// events 24 ns faster (median), none slower; level at 2^14 and 2^18. 256 gained about half as
+/// threads with eight elements each). Against 128 on the H100 (the 2^16 cases, two processes
+/// each): shorter under ncu and faster paired with CUDA events, none slower than PyTorch's where
+/// 128 left a few light f32 kernels behind; level at 2^14 and 2^18; 256 gained about half as
 /// much. f16/bf16: 128. In 512-thread blocks their 2^16 launch is 32 blocks, and the heavier
-/// math lost: `log` and `log1p` ran 96-127 ns behind PyTorch's, paired, GELU 40-80 ns longer under
-/// ncu.
+/// math lost: `log` and `log1p` behind PyTorch's paired, GELU longer under ncu
+/// (docs/worklog.md, 2026-11-26h).
 pub const fn small_block(dt: crate::DType) -> u32 {
     match dt {
         crate::DType::F32 => 512,
@@ -192,14 +191,13 @@ mod device {
     /// one vector after another. Thread `i` of the grid also takes tail element `i` (`one`). The
     /// host launches a block for every `k * CHUNK_BLOCK` vectors, and at least one.
     ///
-    /// Measured against the grid-stride loop (H100, `benches/NOTES.md`, twenty-third session):
-    /// from 2^20 to 2^25 elements the loop left each thread two to four serial round trips (load,
-    /// math, store, load, ...), 3-15% behind PyTorch; here every load of the launch is issued at
-    /// once, blocks retiring make room for the next, and the time is one round trip plus the
-    /// bandwidth. With one vector a thread, at 2^28 f32 it is 0.3-0.5% faster than PyTorch's
-    /// kernel (and 1-2% faster than the loop); two or four vectors a thread were slower there, and
-    /// slower for the heavy f16/bf16 backwards at mid sizes. Ops whose math sets the pace take
-    /// more (`UnaryFn::CHUNK`).
+    /// Measured against the grid-stride loop (H100, docs/worklog.md, 2026-11-26f): from 2^20 to
+    /// 2^25 elements the loop left each thread two to four serial round trips (load, math, store,
+    /// load, ...) and fell behind PyTorch; here every load of the launch is issued at once, blocks
+    /// retiring make room for the next, and the time is one round trip plus the bandwidth. One
+    /// vector a thread was also the fastest at 2^28 f32, ahead of PyTorch's kernel and of the loop;
+    /// two or four vectors a thread were slower there, and slower for the heavy f16/bf16 backwards
+    /// at mid sizes. Ops whose math sets the pace take more (`UnaryFn::CHUNK`).
     #[inline(always)]
     unsafe fn chunk<T: Elem, L: Copy>(
         n: u64,
@@ -439,9 +437,9 @@ mod device {
     /// through the coherent path whether or not the launch is in place. The non-coherent load
     /// needed the in-place test (the output pointer, a second constant-bank load, compared with
     /// the input's, and a branch) before it could issue, and a launch of one load a thread gains
-    /// nothing from the read-only path. H100, 2^16 (twenty-fifth session): under ncu the 55
-    /// cases' kernels 56 ns shorter (median), paired with CUDA events 40 ns; sigmoid's backward
-    /// from `x` went from 77 ns behind PyTorch's to level, `mul` from 53 to 23 ns behind.
+    /// nothing from the read-only path. At 2^16 on the H100 the kernels were shorter under ncu and
+    /// paired with CUDA events, and the light ones that trailed PyTorch's came level or closer
+    /// (docs/worklog.md, 2026-11-26h).
     ///
     /// # Safety
     /// `p` points at a half vector inside the tensor, 8-byte aligned (offsets are multiples of
@@ -716,9 +714,9 @@ mod device {
         if aligned && step == 0 {
             // The grid's stride is a whole number of rows (the host sizes the grid so where it
             // can): every vector this thread visits starts at column c0, so its parameters are
-            // loaded once and the loop is `grid_stride`'s, `unroll(T)` loads in flight. (The bf16
-            // fused SiLU on the H100: one vector a thread with its parameters, 1780 GB/s; two,
-            // each with its parameters loaded after the row's loads, 2010; this loop, 2930.)
+            // loaded once and the loop is `grid_stride`'s, `unroll(T)` loads in flight. (For the bf16
+            // fused SiLU on the H100 it beat one or two vectors a thread each loading its parameters
+            // after the row's loads: docs/worklog.md, 2026-11-23d.)
             // SAFETY: c0 + VEC <= cols (aligned); vectors and tail as `grid_stride` hands out.
             unsafe {
                 let (s, t) = (param_vec(p0, c0, true), param_vec(p1, c0, R::USES_P1));

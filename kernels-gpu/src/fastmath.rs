@@ -169,9 +169,9 @@ pub fn sigmoid_half(x: f32) -> f32 {
 /// e)` with `e = e^-2|x|` from MUFU.EX2 and the quotient by MUFU.RCP, the sign put back; below
 /// |x| = 1/8, where `1 - e` would cancel (its absolute error 2^-22 is 2^-22 / 2|x| relative), the
 /// odd series `x (1 - x^2/3 + 2 x^4/15)`, whose remainder is under 2^-21 relative there. The
-/// accurate [`tanh`] (range split, double-f32 steps; 248 instructions in the bf16 small entry
-/// against 128 with this) left the bf16 forward at 0.84x PyTorch at 2^22 elements (0.92x with
-/// this, the same bits as PyTorch's in the measured run). +-1 at +-inf (e flushes to 0), -0 at
+/// accurate [`tanh`] (range split, double-f32 steps: about twice the instructions in the bf16
+/// small entry) left the bf16 forward behind PyTorch's at 2^22 elements (docs/worklog.md,
+/// 2026-11-26e); this gives the same bits as PyTorch's there. +-1 at +-inf (e flushes to 0), -0 at
 /// -0, NaN for NaN. On the CPU, [`tanh`].
 #[inline(always)]
 pub fn tanh_half(x: f32) -> f32 {
@@ -269,12 +269,12 @@ pub fn normal_pdf(x: f32) -> f32 {
 // pow.
 //
 // `math::pow` carries log2 x to 2^-36 so that x^y is within 0.6 ulp; at 153 SASS instructions an
-// element the pow kernel ran at 0.62x PyTorch's (compute-bound: the H100 issues about 90 an
-// element at the copy's pace). The library's bound is 2 ulp, which needs much less: an error d
-// in y log2 x changes x^y by d ln 2 relative, and |y log2 x| <= 150 wherever the result is
-// finite and nonzero, so log2 x within 2^-30.5 relative costs at most 150 2^-30.5 ln2 2^24 = 1.1
-// ulp (a relative error e is e 2^24 ulp at worst). With an exp2 of 0.8 ulp that is under 2 ulp
-// everywhere, and most of the time far under (measured: see `pow`).
+// element the pow kernel was compute-bound, well behind PyTorch's (the H100 issues about 90 an
+// element at the copy's pace; docs/worklog.md, 2026-11-24e). The library's bound is 2 ulp, which
+// needs much less: an error d in y log2 x changes x^y by d ln 2 relative, and |y log2 x| <= 150
+// wherever the result is finite and nonzero, so log2 x within 2^-30.5 relative costs at most 150
+// 2^-30.5 ln2 2^24 = 1.1 ulp (a relative error e is e 2^24 ulp at worst). With an exp2 of 0.8 ulp
+// that is under 2 ulp everywhere, and most of the time far under (measured: see `pow`).
 
 /// A reciprocal estimate for `d` in [1.7, 2.42]: MUFU.RCP alone on the GPU (relative error about
 /// 2^-23, no Newton step: [`log2_split`] corrects its quotient with an exact remainder anyway), the
@@ -430,7 +430,7 @@ pub fn pow(x: f32, y: f32) -> f32 {
 /// Why: `math::tanh` (0.75 ulp) computes its large range as a double-f32 and picks the range with
 /// a branch, so each of a thread's elements is computed after the previous one; at 2^16 elements,
 /// where a launch's time is one thread's chain of dependent instructions, `tanh_fwd_f32` took
-/// 4.22 us of kernel time against PyTorch's 3.17 (ncu, `benches/NOTES.md`, twelfth session).
+/// longer than PyTorch's kernel under ncu (docs/worklog.md, 2026-11-24f).
 ///
 /// Method: |x| < 0.55: `math::tanh`'s odd polynomial (0.75 ulp). Otherwise, with
 /// e = e^(-2|x|) <= 1/3: tanh |x| = 1 - 2e / (1 + e), as fma(-2e, r, 1) with r = 1 / (1 + e).

@@ -7,7 +7,7 @@
 //! flops x 132 SMs x ~1.98 GHz = 67 TFLOP/s. Any other instruction takes an FFMA's issue slot,
 //! so the kernel is shaped to make nearly every instruction an FFMA.
 //!
-//! # The design (versions g1-g3 and their measurements: benches/NOTES.md)
+//! # The design (versions g1-g3 and their measurements: docs/worklog.md, 2026-11-23-gemm)
 //! - A block computes a `BM x BN` tile of C (128 x 128 with 256 threads), each
 //!   thread an 8 x 8 block in 64 accumulators. Per step `k`, a thread reads 8 values of A's column
 //!   and 8 of B's row from shared memory (four 16-byte `LDS.128`) and does 64 FFMA; with the
@@ -99,7 +99,7 @@ impl Tile {
 
 /// 128 x 128 tiles, 256 threads: the most reuse per loaded byte. Where C has too few of them to
 /// fill the GPU, the host splits K instead. (A 64 x 64 tile with 64 threads, two staged chunks
-/// per operand, spilled 264 bytes under ptxas for the `nn` and `tt` layouts; see NOTES.md.)
+/// per operand, spilled 264 bytes under ptxas for the `nn` and `tt` layouts; docs/worklog.md.)
 pub const TILE_128: Tile = Tile { bm: 128, bn: 128 };
 /// The tiles built.
 pub const TILES: [Tile; 1] = [TILE_128];
@@ -123,14 +123,14 @@ pub const SPLITK_THREADS: u32 = 256;
 
 /// The epilogue's activation of `v`: the element-wise ops' formulas (`ops::{Relu, GeluErf,
 /// GeluTanh, Silu}::fwd`), giving the same bits, but written here with the code those had
-/// before the ninth session: the exp's 2^f without `.ftz` and the logistic's reciprocal as an
-/// IEEE division. Why: the FMA kernels' epilogue picks the activation per element, and its path
-/// runs through all four activations' code (a 300 KB kernel whose code the 256 MB of C evicts
-/// from L2 at 8192 x 8192 x 128). With the shorter forms of the element-wise kernels,
-/// `sgemm_nn` at 8192 x 8192 x 128 went from 0.43 to 0.49 ms and 1024^3 from 0.066 to 0.071
-/// (the 3xTF32 kernels gained 1-4%); hoisting the choice out of the element made ptxas spill
-/// 12-24 bytes in the main loop. So the epilogue's code is pinned: these kernels' PTX is what
-/// it was when they were last measured (`benches/results-2026-11-24b-h100-gemm.md`).
+/// before 2026-11-24 (commit 2807a20): the exp's 2^f without `.ftz` and the logistic's
+/// reciprocal as an IEEE division. Why: the FMA kernels' epilogue picks the activation per
+/// element, and its path runs through all four activations' code (a 300 KB kernel whose code the
+/// 256 MB of C evicts from L2 at 8192 x 8192 x 128). With the shorter forms of the element-wise
+/// kernels, `sgemm_nn` at 8192 x 8192 x 128 and at 1024^3 ran slower (the 3xTF32 kernels gained
+/// a little); hoisting the choice out of the element made ptxas spill in the main loop. So the
+/// epilogue's code is pinned: these kernels' PTX is what it was when they were last measured
+/// (`docs/results/2026-11-24b-gemm.json`; docs/worklog.md, 2026-11-24c).
 #[inline(always)]
 pub fn activate(epi: u32, v: f32) -> f32 {
     use crate::fastmath::{erf_with, exp_with};

@@ -12,9 +12,9 @@
 //! The tensor core's own additions truncate (round toward zero) rather than round to nearest,
 //! a bias that grows with K: summed on the tensor core throughout, the relative error of a
 //! 4096-long product of uniform [0, 1) values was 2.3e-6, against 8.0e-8 for f32 FMAs
-//! (benches/NOTES.md). So each stage's products (32 steps of K) are summed on the tensor core
-//! from zero and then added to the f32 accumulators with ordinary rounded adds: 2.2e-7 there,
-//! and 2.7e-7 against the FMAs' 3.0e-7 on normal values.
+//! (docs/worklog.md, 2026-11-24b-gemm). So each stage's products (32 steps of K) are summed on the
+//! tensor core from zero and then added to the f32 accumulators with ordinary rounded adds: 2.2e-7
+//! there, and 2.7e-7 against the FMAs' 3.0e-7 on normal values.
 //!
 //! Infinities and NaN give what IEEE arithmetic gives; the limits at the ends of the range
 //! (above 3.4024e38, below 2^-115) are in [`split_tf32`].
@@ -34,8 +34,8 @@
 //!   column `g`) hit 32 distinct banks.
 //! - Every warp splits the fragments it loads, although a fragment is read by 2 or 4 warps:
 //!   splitting each element once into shared memory (hi and lo, then a second barrier a stage)
-//!   measured 17% slower, as the warps of the one block an SM then wait for each other twice a
-//!   stage (benches/NOTES.md, t3).
+//!   measured slower, as the warps of the one block an SM then wait for each other twice a
+//!   stage (docs/worklog.md, 2026-11-24b-gemm, t3).
 //! - Edges: a 16-byte chunk is copied with a source size of 0-16 bytes, the rest zero-filled, so
 //!   any M, N, K work; operands whose rows or batches are not 16-byte aligned are copied 4 bytes
 //!   at a time.

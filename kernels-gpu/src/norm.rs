@@ -95,12 +95,11 @@ mod device {
     impl Norm for Layer {
         const CENTER: bool = true;
         /// At eight vectors a thread (f32 rows over 2048 columns, f16/bf16 over 16384): the row
-        /// not kept in L1, weight and bias `evict_last`. H100, GB/s: f32 4096 x 32768 2657 ->
-        /// 2727, 16384 x 4096 2784 -> 2877, 8192 x 8192 2789 -> 2874; bf16 4096 x 32768 2773 ->
-        /// 2806. At four vectors (shorter rows) the same policies lost 1-2.4% (f32 at 1024 and
-        /// 128 columns, bf16 at 8192 and below), so those keep the defaults; with the row's
-        /// loads normal and the parameters `evict_last`, f32 at 32768 lost 4%, and with the last
-        /// quarter of the bias `no_allocate` 1% (benches/NOTES.md, fifteenth session).
+        /// not kept in L1, weight and bias `evict_last`: faster on the H100 at every eight-vector
+        /// shape measured, f32 and bf16. At four vectors (shorter rows) the same policies lost (f32 at
+        /// 1024 and 128 columns, bf16 at 8192 and below), so those keep the defaults; with the row's
+        /// loads normal and the parameters `evict_last`, f32 at 32768 lost, and so it did with the last
+        /// quarter of the bias `no_allocate` (docs/worklog.md, 2026-11-25d).
         fn fwd_l1<const V: usize>() -> [L1; 3] {
             if V == 8 { [L1::NoAllocate, L1::EvictLast, L1::EvictLast] } else { [L1::Normal; 3] }
         }
@@ -108,9 +107,9 @@ mod device {
     impl Norm for Rms {
         const CENTER: bool = false;
         /// RMS norm's weight alone (128 KB at 32768 f32) fits beside the row's loads, and
-        /// `evict_last` keeps it: 2884 -> 2922 GB/s at 4096 x 32768 f32, other shapes unchanged.
-        /// (Layer norm's weight and bias, 256 KB, did not with the row's loads normal: the
-        /// weight `evict_last` left it unchanged, and with the bias `no_allocate` it fell 15%.)
+        /// `evict_last` keeps it: faster at 4096 x 32768 f32, other shapes unchanged (docs/worklog.md,
+        /// 2026-11-24f). (Layer norm's weight and bias, 256 KB, did not with the row's loads normal: the
+        /// weight `evict_last` left it unchanged, and with the bias `no_allocate` it fell.)
         fn fwd_l1<const V: usize>() -> [L1; 3] {
             [L1::Normal, L1::EvictLast, L1::Normal]
         }
@@ -122,9 +121,8 @@ mod device {
     /// `rsqrt` rather than `1 / sqrt`: one rounding instead of two, and no branch. `sqrt.rn`,
     /// `rcp.rn` and the two divisions by `cols` each took a range check and a branch to a slow
     /// path, in every thread of the row's group. With the butterfly's remainder (`rows.rs`) they
-    /// cost 64 instructions a thread a row: ncu counted 43.3M warp instructions for the
-    /// one-vector bf16 kernel at 262144 x 128 before, 34.9M after, where its eight elements a
-    /// thread take about 100 (twenty-fourth session).
+    /// cost 64 instructions a thread a row, where the one-vector bf16 kernel's eight elements a
+    /// thread take about 100 (ncu's instruction counts: docs/worklog.md, 2026-11-26g).
     #[inline(always)]
     fn finish<N: Norm>(st: [f32; 3], inv_n: f32, eps: f32) -> (f32, f32) {
         let mu = if N::CENTER { st[1] } else { 0.0 };
@@ -166,9 +164,9 @@ mod device {
     /// [`params_l1`] unpacks the load under a predicate beside the default's eight moves. Layer
     /// norm's two-vector f16/bf16 kernel holds 32 registers this way (40 with `params_l1`: full
     /// occupancy in 256-thread blocks), its four-vector one 58 (52; four such blocks an SM either
-    /// way); f16/bf16 layer norm at 262144 x 128 and bf16 at 131072 x 256 gained 0.2-0.5%. The
-    /// eight-vector kernels keep `params_l1`: bf16 layer norm at 4096 x 32768 lost 0.4% (H100,
-    /// twenty-fifth session, three processes of each build alternated).
+    /// way); f16/bf16 layer norm at 262144 x 128 and bf16 at 131072 x 256 gained a little. The
+    /// eight-vector kernels keep `params_l1`: with this, bf16 layer norm at 4096 x 32768 lost (H100,
+    /// docs/worklog.md, 2026-11-26h, three processes of each build alternated).
     #[inline(always)]
     unsafe fn params_packed_l1<T: Elem>(p: *const T, c: u64, absent: f32, policy: L1) -> [f32; 8] {
         let raw = if p.is_null() {
@@ -225,8 +223,8 @@ mod device {
         } else {
             // `load_row`'s loads with the policy, each addressed from its slot's column as the
             // output's stores are: written as `load_row` with a policy, ptxas allocated the
-            // eight-vector f32 kernel differently and it ran 5% slower (2597 against 2733 GB/s
-            // at 4096 x 32768).
+            // eight-vector f32 kernel differently and it ran slower at 4096 x 32768 (docs/worklog.md,
+            // 2026-11-25d).
             let mut raw = [[0u32; 4]; V];
             for_slots::<V>(
                 #[inline(always)]
@@ -424,10 +422,10 @@ mod device {
     /// `rstd (g w) - k x + c0`, `k = rstd^2 b / n`, `c0 = k mean - rstd a / n` (rms: no `a`
     /// term, mean 0). Per element that is a product and two FFMA (`grad_x`), where the form
     /// above took six operations: the bf16 backward issued about 46 instructions an element, and
-    /// at 4096 x 32768 the SMs' issue slots were most of what it waited on (2268 -> 2381 GB/s
-    /// with the FFMA of the sums; this on top). `c0` carries the rounding of `k mean`, about
-    /// `rstd |mean| 2^-24` relative to `k`: the size of the error the mean itself already brings
-    /// to `xh`.
+    /// at 4096 x 32768 the SMs' issue slots were most of what it waited on (the FFMA of the sums
+    /// helped, and this on top: docs/worklog.md, 2026-11-23d). `c0` carries the rounding of `k mean`,
+    /// about `rstd |mean| 2^-24` relative to `k`: the size of the error the mean itself already
+    /// brings to `xh`.
     #[inline(always)]
     fn grad_consts<N: Norm>(mu: f32, rs: f32, a: f32, b: f32, inv_n: f32) -> (f32, f32) {
         let k = rs * rs * (b * inv_n);
@@ -513,7 +511,7 @@ mod device {
         // (packed: half the registers for f16/bf16; unpacked where used), and their dw, db sums
         // in this group's region of shared memory, `[2][cols]` f32 after the reduction's slots.
         // In registers, the sums took 2 * V * VEC more of them: 120-160 registers a thread, one
-        // or two blocks per SM, and the bf16 backward ran at 2100-2300 GB/s.
+        // or two blocks per SM, and the bf16 backward ran slower (docs/worklog.md, 2026-11-23c).
         // In a cluster the weights are loaded where used instead (from L1: the block reads the
         // same columns every row), to keep x and g within 64 registers without spilling.
         let has_w = !w.is_null();
@@ -539,11 +537,11 @@ mod device {
         // final barrier, so no barrier is needed before then. Column c (of the block's part of
         // the row) lives at `c + c / 32`: a warp's threads hold columns VEC apart, which
         // unpadded would put lanes 4 (f32) or 8 (bf16) apart on the same bank (an 8-way
-        // conflict: the bf16 backward ran at 1190 GB/s); one pad word per 32 columns spreads
+        // conflict, which cost the bf16 backward most of its speed); one pad word per 32 columns spreads
         // them over all 32 banks, and a vector's lanes stay at constant offsets from its first
-        // column. (A quad-major layout with 16-byte accesses, tried: bf16 rows of 32768 in
-        // clusters +5%, but 80 -> 87-92 registers for the one-group kernels, one block an SM
-        // fewer, and bf16 at 16384 x 4096 -7%.)
+        // column. (A quad-major layout with 16-byte accesses, tried: faster for bf16 rows of 32768 in
+        // clusters, but 80 -> 87-92 registers for the one-group kernels, one block an SM fewer, and
+        // bf16 at 16384 x 4096 slower: docs/worklog.md, 2026-11-23b.)
         let region = padded(nvec * T::VEC as u64);
         let mine = acc_base + g.ty as usize * 2 * region;
         let acc = |c: u64, k: usize, which: usize| {
@@ -556,7 +554,7 @@ mod device {
         // `ld.shared`/`st.shared` with the lane as an immediate offset (measured: the same
         // instruction count as through the generic pointer; the FFMA below are what cut it).
         // The zeroing above the loop still goes through `acc`: unifying it on these addresses
-        // is a kernel change left for a session with device time to re-run the suite.
+        // is a kernel change left for when the suite can be re-run on a GPU.
         let acc_base_addr = dyn_smem_addr() + 4 * mine as u32;
         let acc_addr = |c: u64, which: usize| acc_base_addr + 4 * (which * region + (c + c / 32) as usize) as u32;
         if sums_on {
@@ -695,9 +693,8 @@ mod device {
     ///
     /// This is for launches of few rows, where the persistent plan is latency: a row a group
     /// over the whole grid, then partial rows of `dw`, `db` written and added by a dependent
-    /// launch (64 x 1024 f32: 9.5 us with the parameter gradients, 6.4 without; this kernel 8.3).
-    /// It replaced a single cluster of a row a block for at most eight rows (benches/NOTES.md,
-    /// nineteenth session). Host: `slices_plan` in host/ops/norm.rs.
+    /// launch, whose cost this kernel removes. It replaced a single cluster of a row a block for at
+    /// most eight rows (docs/worklog.md, 2026-11-26b). Host: `slices_plan` in host/ops/norm.rs.
     ///
     /// # Safety
     /// The grid is one cluster of `K` blocks (sm_90) of at most `SLICES_THREADS` threads, a
@@ -1109,10 +1106,10 @@ macro_rules! norm_kernels {
 crate::for_each_elem!(norm_kernels);
 // As softmax: eight vectors per thread for rows of up to 32768, f32 in a 1024-thread group, f16/
 // bf16 rows of 16385 to 32768 in up to 512 threads, two blocks an SM (bf16 layer norm at 4096 x
-// 32768: 2479 GB/s with four vectors in 1024 threads, 2766 with eight; at 8192 x 8192, eight
-// were 5% slower than four, so the host offers them only to the long rows). The row, its second
-// reduction, the weights and biases fit 64 registers since the twenty-fourth session's changes
-// to `finish` and the output (8-24 bytes of spill before, on sm_80 and sm_90).
+// 32768 ran faster with eight than with four vectors in 1024 threads; at 8192 x 8192 eight were
+// slower than four, so the host offers them only to the long rows: docs/worklog.md, 2026-11-23c).
+// The row, its second reduction, the weights and biases fit 64 registers since the changes of
+// 2026-11-26g to `finish` and the output (8-24 bytes of spill before, on sm_80 and sm_90).
 norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);
 norm_kernels!(@fwd f32, f32, rms_norm, Rms, 8);
 norm_kernels!(@fwd crate::dtype::BF16, bf16, layer_norm, Layer, 8);
@@ -1125,8 +1122,8 @@ norm_kernels!(@bwd f32, f32, rms_norm, Rms, 4);
 // Rows of 16K-64K elements (32768 is the suite's long row) held by clusters of 4 or 8 blocks of
 // up to 1024 threads (sm_90 only; older GPUs stream them), two vectors of x and of g a thread
 // (eight f32 or sixteen f16/bf16 elements each) within 64 registers. One vector of f16/bf16 a
-// thread measured 1760-1860 GB/s at 4096 x 32768 bf16 against 2270-2310 with two: a row's
-// fixed costs (two reductions, the exchange, index arithmetic) over twice the elements. Four
+// thread measured slower at 4096 x 32768 bf16 than two, which spread a row's fixed costs (two
+// reductions, the exchange, index arithmetic) over twice the elements. Four
 // of f16/bf16 spill 180-190 bytes at 64 registers.
 #[cfg(target_feature = "sm_90")]
 macro_rules! norm_cluster_kernels {

@@ -1,10 +1,11 @@
 //! The PTX cut into one module per op, for the host to load on first use (host only).
 //!
 //! Why: the driver compiles PTX to the GPU's machine code when a module is loaded. For the whole
-//! `sm_90` PTX (about 16 MB, 480 kernels) that took 55 s on an H100 with an empty JIT cache, and
-//! the driver does not compile two modules at once (sixteen parts loaded from sixteen threads:
-//! 45-49 s; benches/NOTES.md, fifteenth session). Loaded per op on first use, a program waits
-//! for the ops it calls: a second or two each with an empty cache, the GEMM tiles a few.
+//! `sm_90` PTX (about 16 MB, 480 kernels) that took most of a minute on an H100 with an empty
+//! JIT cache, and the driver does not compile two modules at once (sixteen parts loaded from
+//! sixteen threads took nearly as long; docs/worklog.md, 2026-11-25c). Loaded per op on first
+//! use, a program waits for the ops it calls: a second or two each with an empty cache, the
+//! GEMM tiles a few.
 //!
 //! A module is the PTX's header, the entries of one op ([`module_key`]: every dtype, forward
 //! and backward, every variant), and the functions and globals those reference, found by name

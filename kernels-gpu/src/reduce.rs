@@ -10,8 +10,8 @@
 //!   one block (small tensors) writes the finished result itself: one launch.
 //! - `reduce_<op>_final`: one block combines the partials, always in the same order. It is a
 //!   programmatic dependent launch on sm_90 (scheduled while stage 1 runs, waiting in
-//!   `griddepcontrol.wait`), which hides its launch latency: f32 sums of 2^28 2960 -> 2973 GB/s,
-//!   bf16 2826 -> 2850, 2^16 f32 31 -> 35.
+//!   `griddepcontrol.wait`), which hides its launch latency: faster at 2^28 and 2^16 on the H100
+//!   (docs/worklog.md, 2026-11-25b).
 //!
 //! Along the last dimension (`reduce_<op>_rows`): one group of threads per row, streaming over
 //! the row with `rows::fold_row` (any length, any alignment), one group reduction per row; short
@@ -316,8 +316,8 @@ mod device {
     /// load a row; otherwise `VEC` scalar loads. Two kernels rather than a test in the loop:
     /// ptxas sizes a kernel's registers for its hungriest path, and with both loops in one kernel
     /// the scalar one (32 loads in flight) gave f16/bf16 70 registers, three 256-thread blocks
-    /// an SM and 48 KB of loads in flight: 1400 GB/s at 8192 x 4096 bf16 (f32: 2170). Apart, the
-    /// bf16 kernel over whole vectors takes 48 registers (five blocks): 1620 GB/s.
+    /// an SM and 48 KB of loads in flight, and ran slower; apart, the bf16 kernel over whole vectors
+    /// takes 48 registers (five blocks) and runs faster (docs/worklog.md, 2026-11-23c).
     pub unsafe fn reduce_cols<T: Elem, const ALIGNED: bool>(
         x: *const T,
         partial: *mut f32,

@@ -222,8 +222,8 @@ mod device {
     /// the receiver's mbarrier for that buffer; each block waits on its own mbarrier until all
     /// `C * K * 4` bytes have landed, then reads its copy. No cluster barrier per call: a
     /// release barrier fences at GPU scope (`MEMBAR.ALL.GPU`, which waits for the thread's
-    /// outstanding global stores), and with it the backward's rows of 32768 ran at 2380 GB/s
-    /// (f32) and 1515 (bf16).
+    /// outstanding global stores), and with it the backward's rows of 32768 ran far slower
+    /// (docs/worklog.md, 2026-11-23b).
     ///
     /// Two buffers, alternating: a block can be at most one call ahead of another (call `n + 1`
     /// needs every block's values of call `n + 1`, sent after that block's `group_reduce` of

@@ -131,10 +131,10 @@ mod device {
         let o = offset(m);
         // f32 softmax keeps e = exp(x - o) where x was (the same registers; the output is then
         // e / s with e bit for bit what recomputing it gives). Recomputing the exp in the output
-        // pass made this kernel compute-bound at 4096 x 32768: ncu counted 0.66 instructions
-        // issued per cycle and scheduler against RMS norm's 0.28, and it ran at 2650 GB/s to RMS
-        // norm's 2900. Not for f16/bf16 (e would be rounded to the storage type) nor for
-        // log-softmax (whose output needs x).
+        // pass made this kernel compute-bound at 4096 x 32768: ncu counted more than twice RMS norm's
+        // instructions issued per cycle and scheduler, and it ran behind RMS norm (docs/worklog.md).
+        // Not for f16/bf16 (e would be rounded to the storage type) nor for log-softmax (whose output
+        // needs x).
         let keep = T::DTYPE == crate::DType::F32 && !S::LOG;
         let mut raw = raw;
         let mut sum = 0.0f32;
@@ -256,7 +256,7 @@ mod device {
     /// Register-resident backward: one group per row (`C = 1`), or (sm_90) a cluster of `C`
     /// blocks per row, each holding a run of it (`rows::cluster_run`), the row's dot product
     /// combined over the cluster (`rows::ClusterExchange`). Rows of 32768 f32 (y and g: 256 KB)
-    /// streamed at 2070 GB/s; two blocks of 1024 threads hold them at four vectors a thread.
+    /// streamed slower; two blocks of 1024 threads hold them at four vectors a thread.
     pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize, const C: u32>(
         y: *const T,
         gr: *const T,
@@ -409,7 +409,7 @@ macro_rules! softmax_kernels {
 // Rows too long for one block's registers in the backward (over 16384 f32 or 32768 f16/bf16)
 // held by a cluster of 2, 4 or 8 blocks (sm_90; older GPUs stream them). The forward has no
 // cluster kernels: one cluster per row at four vectors a thread, tried, ran slower than one
-// block per row (f32 at 4096 x 32768: 2021 against 2670 GB/s; benches/NOTES.md).
+// block per row (f32 at 4096 x 32768; docs/worklog.md, 2026-11-25c).
 #[cfg(target_feature = "sm_90")]
 macro_rules! softmax_cluster_kernels {
     ($T:ty, $sfx:ident) => {
@@ -424,8 +424,8 @@ crate::for_each_elem!(softmax_kernels);
 // log-softmax spilled at 64 registers, its `log` on top of the row, so those rows stream), and
 // f16/bf16 rows of 16385 to 32768 (the host offers eight only there: shorter rows were 1-5%
 // slower with it) in up to 512 threads within 64 registers, two such blocks an SM, one row's
-// reductions and `exp` overlapping the other's loads. With four vectors in 1024 threads (one
-// block an SM) bf16 softmax at 4096 x 32768 ran at 2461 GB/s; with eight, 2865.
+// reductions and `exp` overlapping the other's loads: bf16 softmax at 4096 x 32768 ran faster
+// so than with four vectors in 1024 threads, one block an SM (docs/worklog.md, 2026-11-23c).
 softmax_kernels!(@fwd f32, f32, softmax, Softmax, 8);
 softmax_kernels!(@fwd crate::dtype::BF16, bf16, softmax, Softmax, 8);
 softmax_kernels!(@fwd crate::dtype::F16, f16, softmax, Softmax, 8);

@@ -14,17 +14,17 @@
 #  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
 #     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
 #     (to RES/torch-NAME.json);
-#     unless --no-anchors, PyTorch's reference figures (the bundle's anchors.py, copied from
-#     shared/, else shared/anchors.py or ../shared/anchors.py,
-#     to RES/anchors.json); then for each bench the bundle's compare.py: `python3 compare.py
-#     RES/bench-NAME.json RES/torch-NAME.json [RES/anchors.json]`; and the PyTorch package's
+#     then for each bench the bundle's compare.py: `python3 compare.py RES/bench-NAME.json
+#     RES/torch-NAME.json --json RES/results.json` (the run's tables in the format of
+#     docs/results/, for scripts/report.py); and the PyTorch package's
 #     bench.py and the paired small sizes, torch_paired.py (run-python-tests.sh --bench-only, to
 #     RES/python-bench.json and RES/torch-paired.json).
-# RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log, anchors.log and
-# compare.log), else the current folder (no logs).
+# RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log and compare.log), else
+# the current folder (no logs). --no-anchors is accepted for older command lines and does nothing
+# but say so: every PyTorch figure comes from the bundle's own scripts.
 # The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
-# failed (or a test binary crashed), an example or a bench failed; torch_NAME.py, anchors.py
-# and compare.py failures are reported but do not change it.
+# failed (or a test binary crashed), an example or a bench failed; torch_NAME.py and compare.py
+# failures are reported but do not change it.
 set -uo pipefail
 
 B="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -66,13 +66,13 @@ if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
   RES="$OUT"
   LOG="$OUT/tests.log"; XLOG="$OUT/examples.log"; BLOG="$OUT/bench.log"
-  TLOG="$OUT/torch.log"; ALOG="$OUT/anchors.log"; CLOG="$OUT/compare.log"
+  TLOG="$OUT/torch.log"; CLOG="$OUT/compare.log"
   : > "$LOG"
 else
   RES="."
-  LOG=/dev/null; XLOG=/dev/null; BLOG=/dev/null; TLOG=/dev/null; ALOG=/dev/null; CLOG=/dev/null
+  LOG=/dev/null; XLOG=/dev/null; BLOG=/dev/null; TLOG=/dev/null; CLOG=/dev/null
 fi
-ANCHORS_JSON="$RES/anchors.json"
+RESULTS_JSON="$RES/results.json"
 TMP="$(mktemp)"
 trap 'rm -f "$TMP"' EXIT
 
@@ -207,7 +207,7 @@ if [ "$TESTS_ONLY" -eq 1 ]; then
   exit "$STATUS"
 fi
 
-# --- examples, benches, PyTorch anchors -----------------------------------------------------------
+# --- examples, benches, PyTorch's baselines --------------------------------------------------------
 EXTRA=()
 for e in "$B"/bin/examples/*; do
   [ -f "$e" ] && [ -x "$e" ] || continue
@@ -251,28 +251,14 @@ if [ -f "$B/run-python-tests.sh" ]; then
   if [ "$rc" -ne 0 ]; then EXTRA+=("  python bench: FAILED (exit status $rc; not counted)"); else EXTRA+=("  python bench: $RES/python-bench.json"); fi
 fi
 
-ANCHORS=""
-for c in "$B/anchors.py" shared/anchors.py ../shared/anchors.py; do
-  if [ -f "$c" ]; then ANCHORS="$c"; break; fi
-done
-if [ "$ANCHORS_ON" -eq 0 ]; then
-  EXTRA+=("  anchors: not run (--no-anchors)")
-elif [ -n "$ANCHORS" ]; then
-  rm -f "$ANCHORS_JSON"
-  echo "== anchors: python3 $ANCHORS $ANCHORS_JSON" | tee -a "$ALOG"
-  python3 "$ANCHORS" "$ANCHORS_JSON" 2>&1 | tee -a "$ALOG"
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" -ne 0 ]; then EXTRA+=("  anchors: FAILED (exit status $rc; not counted)"); else EXTRA+=("  anchors: $ANCHORS_JSON"); fi
-else
-  EXTRA+=("  anchors: no shared/anchors.py or ../shared/anchors.py (run from the repository root)")
-fi
+[ "$ANCHORS_ON" -eq 1 ] || EXTRA+=("  anchors: not run (--no-anchors)")
 
 if [ -f "$B/compare.py" ]; then
+  rm -f "$RESULTS_JSON"
   for name in ${BENCH_NAMES[@]+"${BENCH_NAMES[@]}"}; do
     bj="$RES/bench-$name.json"; tj="$RES/torch-$name.json"
     if [ -f "$bj" ] && [ -f "$tj" ]; then
-      CMP=("$bj" "$tj")
-      [ ! -f "$ANCHORS_JSON" ] || CMP+=("$ANCHORS_JSON")
+      CMP=("$bj" "$tj" --json "$RESULTS_JSON")
       echo "== compare $name: python3 $B/compare.py ${CMP[*]}" | tee -a "$CLOG"
       python3 "$B/compare.py" "${CMP[@]}" 2>&1 | tee -a "$CLOG"
       rc=${PIPESTATUS[0]}
@@ -281,6 +267,7 @@ if [ -f "$B/compare.py" ]; then
       EXTRA+=("  compare.py $name: not run (needs $bj and $tj)")
     fi
   done
+  [ ! -f "$RESULTS_JSON" ] || EXTRA+=("  results: $RESULTS_JSON")
 fi
 
 echo "== summary"

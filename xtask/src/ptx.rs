@@ -189,7 +189,7 @@ fn check_modules(ptxas: &Path, ptx: &str, arch: &str, out: &Path) -> Result<(), 
 
 /// Spills accepted, by kernel, with the most bytes of stack frame and of spill loads each may
 /// have. Each is measured to cost less than what avoiding it costs (the norms' eight-vector
-/// forwards, here until the twenty-fourth session, no longer spill):
+/// forwards, here until 2026-11-26g, no longer spill):
 /// - `gemm_{nn,tn,tt}_128x128`, on sm_80 only: a few words in the loop for edge tiles (bounds
 ///   tests per chunk) under the 128-register cap that fits two blocks an SM; the loop of interior
 ///   tiles, where large products spend their time, has none (read in the SASS), and sm_90 none.
