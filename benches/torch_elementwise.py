@@ -7,7 +7,10 @@ reports.
 
     python3 benches/torch_elementwise.py torch.json [REGEX]
 
-REGEX (optional) keeps only the records whose name matches, like the bench's filter.
+REGEX (optional) keeps only the records whose name matches, like the bench's filter. The unary
+ops, their parameters and PyTorch's version of each come from the library's op table, which
+the PyTorch package exports (`kernels_torch._native.UNARY_OPS`): the package must be importable
+(the GPU suite installs its wheel first).
 
 Backward baselines are what PyTorch runs for that gradient: the aten backward op where one
 exists (gelu_backward, threshold_backward, ...), otherwise torch.autograd.grad over a retained
@@ -27,6 +30,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from kernels_torch import _native
 from triton.testing import do_bench
 
 aten = torch.ops.aten
@@ -34,7 +38,9 @@ dev = "cuda"
 COLS = 1024
 SIZES = [1 << 28, 1 << 16]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-POSITIVE = {"log", "log1p", "sqrt", "rsqrt", "pow", "pow_frac"}
+# The op table: name -> (activation, ((param, value), ...), from_output, positive, torch, ...).
+TABLE = {row[0]: row[1:] for row in _native.UNARY_OPS}
+POSITIVE = {name for name, row in TABLE.items() if row[3]} | {"pow_cube"}
 
 g_ = torch.Generator(device=dev).manual_seed(0)
 
@@ -62,39 +68,40 @@ def result_bwd(f, aten_bwd):
     return build
 
 
-# name -> (forward, backward builder (x, g) -> thunk, or None for autograd)
-UNARY = {
-    "neg": (torch.neg, None),
-    "abs": (torch.abs, None),
-    "exp": (torch.exp, None),
-    "log": (torch.log, None),
-    "expm1": (torch.expm1, None),
-    "log1p": (torch.log1p, None),
-    "erf": (torch.erf, None),
-    "sqrt": (torch.sqrt, None),
-    "rsqrt": (torch.rsqrt, None),
-    "pow": (lambda x: torch.pow(x, 3.0), None),
-    "pow_frac": (lambda x: torch.pow(x, 2.5), None),
-    "clamp": (lambda x: torch.clamp(x, -0.5, 0.5), None),
-    "add_scalar": (lambda x: x + 1.5, None),
-    "sub_scalar": (lambda x: x - 1.5, None),
-    "mul_scalar": (lambda x: x * 1.5, None),
-    "div_scalar": (lambda x: x / 1.5, None),
-    # Our identity op writes a new tensor: the out-of-place equivalent is a copy, both ways.
-    "identity": (torch.clone, lambda x, g: lambda: g.clone()),
-    "relu": (F.relu, result_bwd(F.relu, lambda g, y: aten.threshold_backward(g, y, 0))),
-    "leaky_relu": (F.leaky_relu, lambda x, g: lambda: aten.leaky_relu_backward(g, x, 0.01, False)),
-    "sigmoid": (torch.sigmoid, result_bwd(torch.sigmoid, aten.sigmoid_backward)),
-    "tanh": (torch.tanh, result_bwd(torch.tanh, aten.tanh_backward)),
-    "gelu": (F.gelu, lambda x, g: lambda: aten.gelu_backward(g, x)),
-    "gelu_tanh": (
-        lambda x: F.gelu(x, approximate="tanh"),
-        lambda x, g: lambda: aten.gelu_backward(g, x, approximate="tanh"),
-    ),
-    "silu": (F.silu, lambda x, g: lambda: aten.silu_backward(g, x)),
-    "mish": (F.mish, lambda x, g: lambda: aten.mish_backward(g, x)),
-    "softplus": (F.softplus, lambda x, g: lambda: aten.softplus_backward(g, x, 1.0, 20.0)),
+def table_op(name):
+    """PyTorch's version of op `name` of the table, with the table's parameters."""
+    f = eval(TABLE[name][4], {"torch": torch, "F": F})
+    params = tuple(v for _, v in TABLE[name][1])
+    return lambda x: f(x, *params)
+
+
+# PyTorch's own backward kernels, called as its autograd calls them, where it has one; every
+# other op's backward runs through autograd over a retained graph. Our identity op writes a new
+# tensor: the out-of-place equivalent is a copy, both ways.
+ATEN_BWD = {
+    "identity": lambda x, g: lambda: g.clone(),
+    "relu": result_bwd(F.relu, lambda g, y: aten.threshold_backward(g, y, 0)),
+    "leaky_relu": lambda x, g: lambda: aten.leaky_relu_backward(g, x, 0.01, False),
+    "sigmoid": result_bwd(torch.sigmoid, aten.sigmoid_backward),
+    "tanh": result_bwd(torch.tanh, aten.tanh_backward),
+    "gelu": lambda x, g: lambda: aten.gelu_backward(g, x),
+    "gelu_tanh": lambda x, g: lambda: aten.gelu_backward(g, x, approximate="tanh"),
+    "silu": lambda x, g: lambda: aten.silu_backward(g, x),
+    "mish": lambda x, g: lambda: aten.mish_backward(g, x),
+    "softplus": lambda x, g: lambda: aten.softplus_backward(g, x, 1.0, 20.0),
+    "elu": lambda x, g: lambda: aten.elu_backward(g, 1.0, 1, 1, False, x),
+    "selu": lambda x, g: lambda: aten.elu_backward(g, 1.6732632423543772, 1.0507009873554805, 1, False, x),
+    "celu": lambda x, g: lambda: aten.elu_backward(g, 1.0, 1, 1.0, False, x),
+    "hardswish": lambda x, g: lambda: aten.hardswish_backward(g, x),
+    "hardsigmoid": lambda x, g: lambda: aten.hardsigmoid_backward(g, x),
 }
+
+# name -> (forward, backward builder (x, g) -> thunk, or None for autograd): every op of the
+# table (as the Rust bench), and pow's cube.
+UNARY = {name: (table_op(name), ATEN_BWD.get(name)) for name in TABLE}
+UNARY["identity"] = (torch.clone, ATEN_BWD["identity"])
+UNARY["pow_cube"] = (lambda x: torch.pow(x, 3.0), None)
+ACTIVATIONS = [name for name, row in TABLE.items() if row[0]]
 FROM_OUTPUT = ("sigmoid", "tanh")
 BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 FUSED = {"scale_bias_relu": F.relu, "scale_bias_gelu": F.gelu, "scale_bias_silu": F.silu}
@@ -115,13 +122,19 @@ def cases():
         out += [("add_row", "row", "f32", n, "fwd"), ("add_row", "row", "f32", n, "bwd")]
         for op in FUSED:
             out += [(op, "fused", "f32", n, "fwd"), (op, "fused", "f32", n, "bwd")]
+        # Every activation in bf16, some in f16.
+        for op in ACTIVATIONS:
+            out += [(op, "unary", "bf16", n, "fwd"), (op, "unary", "bf16", n, "bwd")]
         for dt in ("bf16", "f16"):
+            if dt == "f16":
+                out += [
+                    ("gelu", "unary", dt, n, "fwd"),
+                    ("gelu", "unary", dt, n, "bwd"),
+                    ("gelu_tanh", "unary", dt, n, "fwd"),
+                    ("gelu_tanh", "unary", dt, n, "bwd"),
+                    ("relu", "unary", dt, n, "fwd"),
+                ]
             out += [
-                ("gelu", "unary", dt, n, "fwd"),
-                ("gelu", "unary", dt, n, "bwd"),
-                ("gelu_tanh", "unary", dt, n, "fwd"),
-                ("gelu_tanh", "unary", dt, n, "bwd"),
-                ("relu", "unary", dt, n, "fwd"),
                 ("exp", "unary", dt, n, "fwd"),
                 ("add", "binary", dt, n, "fwd"),
                 ("scale_bias_silu", "fused", dt, n, "fwd"),

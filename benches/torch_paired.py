@@ -48,18 +48,15 @@ from kernels_torch import _native, _ops  # noqa: E402
 N = 1 << 16
 ROWS, COLS = 64, 1024
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-# Activation codes of `_native` (python/src/lib.rs) with their parameters; the other unary ops
-# by `unary_op` code.
-ACTS = {"identity": (0, 0.0, 0.0), "relu": (1, 0.0, 0.0), "leaky_relu": (2, 0.01, 0.0), "sigmoid": (3, 0.0, 0.0),
-        "tanh": (4, 0.0, 0.0), "gelu": (5, 0.0, 0.0), "gelu_tanh": (6, 0.0, 0.0), "silu": (7, 0.0, 0.0),
-        "mish": (8, 0.0, 0.0), "softplus": (9, 1.0, 20.0)}
-UNARY = {"neg": (0, 0.0, 0.0), "abs": (1, 0.0, 0.0), "exp": (2, 0.0, 0.0), "log": (3, 0.0, 0.0),
-         "expm1": (4, 0.0, 0.0), "log1p": (5, 0.0, 0.0), "erf": (6, 0.0, 0.0), "sqrt": (7, 0.0, 0.0),
-         "rsqrt": (8, 0.0, 0.0), "pow": (9, 3.0, 0.0), "pow_frac": (9, 2.5, 0.0), "clamp": (10, -0.5, 0.5),
-         "add_scalar": (11, 1.5, 0.0), "sub_scalar": (12, 1.5, 0.0), "mul_scalar": (13, 1.5, 0.0),
-         "div_scalar": (14, 1.5, 0.0)}
+# Each op of the table by its code in `_native` (its row's index) with its parameters, and pow's
+# cube, as the Rust bench names them.
+UNARY = {
+    row[0]: (code, *(tuple(v for _, v in row[2]) + (0.0, 0.0))[:2]) for code, row in enumerate(_native.UNARY_OPS)
+}
+UNARY["pow_cube"] = (UNARY["pow"][0], 3.0, 0.0)
+ACTS = {name: c for name, c in UNARY.items() if _native.UNARY_OPS[c[0]][1]}
 BINARY = {"add": 0, "sub": 1, "mul": 2, "div": 3}
-FUSED = {"scale_bias_relu": 1, "scale_bias_gelu": 5, "scale_bias_silu": 7}
+FUSED = {f"scale_bias_{a}": ACTS[a][0] for a in ("relu", "gelu", "silu")}
 # PyTorch runs no kernel for these gradients (compare.py's list, and the identity's).
 TORCH_ALIASES = {("add_scalar", "bwd"), ("sub_scalar", "bwd")}
 # PyTorch's backward is a kernel of its own for these (torch_elementwise.py's UNARY table).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite, from a bundle made by `cargo xtask gpu-bundle`; needs no Rust.
 # Run it from the repository root:
-#     bash .bundle/run-gpu-suite.sh [--tests-only | --skip-tests] [--no-anchors] [--jobs N]
+#     bash .bundle/run-gpu-suite.sh [--tests-only | --skip-tests] [--jobs N]
 #                                   [-- TEST ARGS]
 #
 #  1. unless --skip-tests: every test binary (bin/tests/*), tests in parallel, with
@@ -20,8 +20,7 @@
 #     bench.py and the paired small sizes, torch_paired.py (run-python-tests.sh --bench-only, to
 #     RES/python-bench.json and RES/torch-paired.json).
 # RES is $OUT if set (with tests.log, examples.log, bench.log, torch.log and compare.log), else
-# the current folder (no logs). --no-anchors is accepted for older command lines and does nothing
-# but say so: every PyTorch figure comes from the bundle's own scripts.
+# the current folder (no logs). Every PyTorch figure comes from the bundle's own scripts.
 # The last line is the test summary: `N passed, N failed, N skipped`. Exit status 1 if a test
 # failed (or a test binary crashed), an example or a bench failed; torch_NAME.py and compare.py
 # failures are reported but do not change it.
@@ -35,17 +34,15 @@ if [ ! -d "$B/bin" ] && [ -f "$B/bin.tar.xz" ]; then
 fi
 TESTS_ONLY=0
 SKIP_TESTS=0
-ANCHORS_ON=1
 JOBS=3
 ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests-only) TESTS_ONLY=1 ;;
     --skip-tests) SKIP_TESTS=1 ;;
-    --no-anchors) ANCHORS_ON=0 ;;
     --jobs) shift; JOBS="${1:-}" ;;
     --jobs=*) JOBS="${1#--jobs=}" ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; ARGS+=("$@"); break ;;
     *) ARGS+=("$1") ;;
   esac
@@ -233,6 +230,15 @@ for b in "$B"/bin/benches/*; do
   if [ "$rc" -ne 0 ]; then STATUS=1; EXTRA+=("  bench $name: FAILED (exit status $rc)"); else EXTRA+=("  bench $name: ok"); fi
 done
 
+# The baselines read the op table from the PyTorch package (its native module): its wheel,
+# installed into a temporary folder for them.
+wheel="$(ls "$B"/python/*.whl 2>/dev/null | head -n 1)"
+if [ -n "$wheel" ]; then
+  PYSITE="$(mktemp -d)"
+  python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index --target "$PYSITE" "$wheel" >/dev/null 2>&1 \
+    || python3 -m zipfile -e "$wheel" "$PYSITE"
+  export PYTHONPATH="$PYSITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 for name in ${BENCH_NAMES[@]+"${BENCH_NAMES[@]}"}; do
   py="$B/torch_$name.py"
   [ -f "$py" ] || continue
@@ -250,8 +256,6 @@ if [ -f "$B/run-python-tests.sh" ]; then
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then EXTRA+=("  python bench: FAILED (exit status $rc; not counted)"); else EXTRA+=("  python bench: $RES/python-bench.json"); fi
 fi
-
-[ "$ANCHORS_ON" -eq 1 ] || EXTRA+=("  anchors: not run (--no-anchors)")
 
 if [ -f "$B/compare.py" ]; then
   rm -f "$RESULTS_JSON"

@@ -113,15 +113,6 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
             manifest_txt += &format!("{}\t(from {sub}/)\n", name.to_string_lossy());
         }
     }
-    // PyTorch's reference figures (shared/anchors.py, beside the checkout or inside it): the GPU
-    // machine receives only the checkout, so the bundle carries a copy.
-    for c in [root.join("shared").join("anchors.py"), root.join("..").join("shared").join("anchors.py")] {
-        if c.is_file() {
-            std::fs::copy(&c, dir.join("anchors.py")).map_err(|e| format!("cannot copy {}: {e}", c.display()))?;
-            manifest_txt += &format!("anchors.py\t(from {})\n", c.display());
-            break;
-        }
-    }
     if let Some(wheel) = &wheel {
         manifest_txt += &python_files(&root, &dir, wheel)?;
     }
@@ -464,9 +455,9 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
         assert!(last.starts_with("0 passed, 0 failed, 0 skipped"), "{all}");
         assert!(all.contains("bench e: ok") && b.join("out3").join("bench-e.json").is_file(), "{all}");
         fake_bin(&b.join("bin").join("examples"), "x", "exit 3");
-        let (code, _, all) = run(&b.join("out4"), &["--skip-tests", "--no-anchors"]);
+        let (code, _, all) = run(&b.join("out4"), &["--skip-tests"]);
         assert_eq!(code, Some(1), "{all}");
-        assert!(all.contains("example x: FAILED (exit status 3)") && all.contains("anchors: not run"), "{all}");
+        assert!(all.contains("example x: FAILED (exit status 3)"), "{all}");
 
         // A failing binary, and one that crashes before its result line.
         fake_bin(

@@ -69,9 +69,9 @@ Builds in release the test binaries, benches and examples of the `kernels` packa
     DIR/*.py                     benches/*.py and scripts/*.py, if any
     DIR/python/, DIR/run-python-tests.sh
                                  the PyTorch package's wheel, tests and bench, and their runner
-    DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_NAME.py,
-                                 shared/anchors.py and compare.py; run it from the repository
-                                 root; --tests-only, --skip-tests, --no-anchors, --jobs N
+    DIR/run-gpu-suite.sh         the tests, then the examples, benches, torch_NAME.py and
+                                 compare.py; run it from the repository root; --tests-only,
+                                 --skip-tests, --jobs N
                                  (N test binaries at once); results and logs under $OUT if
                                  set (see its --help)
     DIR/run-sanitizer.sh         the tests under compute-sanitizer memcheck, racecheck and
