@@ -56,13 +56,15 @@ pub trait UnaryFn {
     /// whole 16-byte vectors (0: one vector, whatever its width), and whether a thread loads them
     /// all before its math (`elementwise::chunk`, `elementwise::chunk_vectors`), for each form
     /// (`FORMS`; the backward's form is `bwd_form`'s). One vector gives the most loads in flight,
-    /// and memory-bound ops run fastest so (H100, `benches/NOTES.md`, twenty-third session).
+    /// and memory-bound ops run fastest so (see docs/worklog.md, 2026-11-26f).
     /// Where the math sets the pace, more elements share a thread's work outside them (the index,
     /// the form's dispatch, a setup from the parameters).
     const CHUNK: [(usize, bool); MAX_FORMS as usize] = [(0, true); MAX_FORMS as usize];
     /// The kernel's `(a, b)` from the op's parameters as the user gives them (in the order of its
     /// row in [`unary_table`], 0 past them), computed once on the host: where an op wants a
     /// derived value (a reciprocal) rounded once per launch instead of once per element.
+    ///
+    /// [`unary_table`]: crate::unary_table
     #[inline(always)]
     fn params(p: [f32; 2]) -> [f32; 2] {
         p
@@ -74,6 +76,8 @@ pub trait UnaryFn {
     }
     /// For the ops marked `yx` in [`unary_table`]: whether, with these parameters, the backward
     /// from `x` read at `y = f(x)` is still the gradient (leaky relu's slope must keep the sign).
+    ///
+    /// [`unary_table`]: crate::unary_table
     #[inline(always)]
     fn from_output(_p: [f32; 2]) -> bool {
         true
@@ -209,7 +213,7 @@ unary!(
     /// host passes (PyTorch's `div_true_kernel_cuda` multiplies by the reciprocal when the divisor
     /// is a scalar, and autograd's backward, `g / a`, is the same op). Within one rounding of
     /// `1 / a` of the quotient, and PyTorch's bits; a multiplication, where an IEEE division has
-    /// a slow-path branch per element (0.96-0.98x PyTorch at 2^16).
+    /// a slow-path branch per element (see docs/worklog.md, 2026-11-26d).
     DivScalar,
     |x, a, b| x * b,
     |x, g, a, b| g * b;
@@ -236,8 +240,9 @@ unary!(
     }
 );
 /// e^x. For f16/bf16 storage the special function unit's 2^x alone (`fastmath::exp_for`, error
-/// under 1/60 of an f16 ulp): with the f32 exp's exactly reduced argument (about 28 instructions
-/// an element) the bf16 forward ran at 0.968x PyTorch's bandwidth.
+/// under 1/60 of an f16 ulp): the f32 exp's exactly reduced argument is accuracy an f16/bf16
+/// output cannot show, and its instructions, not the memory, set the bf16 forward's pace (see
+/// docs/worklog.md, 2026-11-23c).
 pub struct Exp;
 impl UnaryFn for Exp {
     #[inline(always)]
@@ -265,8 +270,8 @@ unary!(Erf, |x, a, b| math::erf(x), |x, g, a, b| g * FRAC_2_SQRT_PI * math::exp(
 const FRAC_2_SQRT_PI: f32 = core::f32::consts::FRAC_2_SQRT_PI;
 unary!(Sqrt, |x, a, b| math::sqrt(x), |x, g, a, b| g / (2.0 * math::sqrt(x)));
 // 1/sqrt(x) to 0.5 ulp and a hair (`math::rsqrt`: MUFU.RSQ and a Newton step, no branch), where
-// `1.0 / sqrt(x)` is two IEEE operations with a slow-path branch each (0.84-0.91x PyTorch at
-// 2^16 in four runs). d/dx x^-1/2 = -1/2 r^3. Multiplied into g one factor of r at a time: the
+// `1.0 / sqrt(x)` is two IEEE operations with a slow-path branch each (see docs/worklog.md,
+// 2026-11-24d). d/dx x^-1/2 = -1/2 r^3. Multiplied into g one factor of r at a time: the
 // intermediates then stay in range wherever the result is (r^3 alone overflows f32 for x < 2e-26).
 unary!(
     /// `1 / sqrt(x)`; backward `-g r^3 / 2` with `r = rsqrt(x)`.
@@ -344,9 +349,9 @@ impl UnaryFn for Pow {
     }
     /// The general forms' math (log2 and exp2 in double-f32 steps, about 75 instructions an
     /// element) sets the pace, and the dispatch on the form and the exponent's tests before it are
-    /// about 40 a thread: 16 elements a thread, a vector after another (2^28 f32 forward at
-    /// x^2.5: 787 us against PyTorch's 766; one vector, 923; four at once, 807 with 48
-    /// registers). The forms by multiplication or division are memory-bound: one vector.
+    /// about 40 a thread: 16 elements a thread share that overhead, a vector after another
+    /// without the registers of four loaded at once (see docs/worklog.md, 2026-11-26f). The
+    /// forms by multiplication or division are memory-bound: one vector.
     const CHUNK: [(usize, bool); MAX_FORMS as usize] = {
         let mut c = [(0, true); MAX_FORMS as usize];
         c[POW_GENERAL as usize] = (16, false);
@@ -367,8 +372,8 @@ impl UnaryFn for Pow {
 /// multiplication or a division (`pow_square_fwd_small_f32`, ...: [`PowForm`], chosen by the host
 /// from the exponent). At 2^16 elements a launch's time is its latency, and `Pow`'s small entry
 /// reached its form through four compares and an indirect branch (`BRX`) laid out past the
-/// general path's code: `pow(x, 3)` took 3376 ns of kernel time under ncu against PyTorch's
-/// dedicated cube kernel's 3152 (0.985x with its own entry). The math is `Pow`'s `fwd_in::<F>` /
+/// general path's code, where PyTorch launches a kernel of its own for such an exponent (see
+/// docs/worklog.md, 2026-11-26e). The math is `Pow`'s `fwd_in::<F>` /
 /// `bwd_in::<F>`, so the bits are those of the all-forms kernels.
 pub struct PowIn<const F: u32>;
 
@@ -462,8 +467,8 @@ impl UnaryFn for Sigmoid {
 }
 // tanh' = 1 - t^2 = 4 e / (1 + e)^2 with e = e^-2|x|: a product of one exp and one reciprocal,
 // no cancellation for any x (the accurate tanh's range split and compensated steps, then
-// 1 - t^2, made the f32 backward compute-bound at 0.965x PyTorch). At x = +-inf, e = 0 and the
-// result is g * 0 (NaN for infinite g), as PyTorch's g (1 - 1).
+// 1 - t^2, made the f32 backward compute-bound: see docs/worklog.md, 2026-11-23b). At
+// x = +-inf, e = 0 and the result is g * 0 (NaN for infinite g), as PyTorch's g (1 - 1).
 /// `tanh(x)`; backward `g (1 - tanh(x)^2)`, as `4 e / (1 + e)^2` with `e = exp(-2|x|)`; for
 /// f16/bf16 `fastmath::tanh_half` and the special function unit's exp.
 pub struct Tanh;
@@ -496,13 +501,13 @@ const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
 /// The f32 forward keeps the accurate erf (`0.5 x (1 + erf(x / sqrt 2))`, PyTorch's formula,
 /// within 4 ulp). Everything else takes `fastmath::normal_cdf` (one polynomial and one MUFU.EX2,
 /// 2^-18 relative on the negative side, 2^-23 absolute) and `normal_pdf`:
-/// - f16/bf16 forward: the error is 1/128 of an f16 ulp. With the erf (two polynomials, a select
-///   and an exp, about 36 instructions an element) it was compute-bound at 0.93-0.95x PyTorch's
-///   bandwidth, with two elements per four bytes moved.
+/// - f16/bf16 forward: the error is 1/128 of an f16 ulp. The erf (two polynomials, a select
+///   and an exp) made it compute-bound, with two elements per four bytes moved (see
+///   docs/worklog.md, 2026-11-23c).
 /// - backward, every dtype: `g (Phi + x phi)`; the bound the tests hold it to is absolute at
 ///   the scale `|g| (2 + |x|) 8 ulp` (PyTorch's `cdf + x pdf` cancels there), and Phi's 2^-23 and
-///   phi's 2^-22 relative stay under a quarter of it. With erf and the f32 exp it was
-///   0.88x PyTorch in f32.
+///   phi's 2^-22 relative stay under a quarter of it. Erf and the f32 exp made the f32
+///   backward compute-bound (2026-11-23c).
 pub struct Gelu;
 impl UnaryFn for Gelu {
     #[inline(always)]
@@ -527,14 +532,13 @@ pub const GELU_KAPPA: f32 = 0.044_715;
 pub struct GeluTanh;
 impl UnaryFn for GeluTanh {
     // 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^-2u): one exp and a reciprocal instead
-    // of the accurate tanh's range split and double-f32 steps (0.90x PyTorch at 2^28 with it, the
-    // forward compute-bound). The reciprocal is `math::recip` (MUFU.RCP and a Newton step, the
-    // bits of `div.rn`, no branch) times x: an IEEE division there was 136 more instructions in
-    // the chunk kernel (368 against 232, with 23 branches and 5 calls to its slow path; ncu at
-    // 2^21: 1.84x PyTorch's instructions, 0.96x its speed). The error: e^-2u's 2 ulp enter
-    // scaled by e / (1 + e) <= 1, plus three roundings; u's own rounding enters as before. At
-    // x = -inf, x sigmoid(-inf) would be -inf / e^89 (the exp clamps) where PyTorch's
-    // 0.5 x (1 + tanh) gives -inf * 0 = NaN.
+    // of the accurate tanh's range split and double-f32 steps, which made the forward
+    // compute-bound (see docs/worklog.md, 2026-11-23, GELU tanh form). The reciprocal is
+    // `math::recip` (MUFU.RCP and a Newton step, the bits of `div.rn`, no branch) times x: an
+    // IEEE division's range checks and slow-path calls made the kernel's instructions set its
+    // pace (2026-11-26f). The error: e^-2u's 2 ulp enter scaled by e / (1 + e) <= 1, plus three
+    // roundings; u's own rounding enters as in the tanh form. At x = -inf, x sigmoid(-inf) would
+    // be -inf / e^89 (the exp clamps) where PyTorch's 0.5 x (1 + tanh) gives -inf * 0 = NaN.
     #[inline(always)]
     fn fwd(x: f32, _: f32, _: f32) -> f32 {
         let inner = GELU_BETA * (x + GELU_KAPPA * x * x * x);
@@ -543,18 +547,18 @@ impl UnaryFn for GeluTanh {
     }
     // The backward in the same terms: with s = sigmoid(2u) = 1 / (1 + e), e = e^-2u, PyTorch's
     // 0.5 (1 + t) + 0.5 x (1 - t^2) u' is s + 2 x e s^2 u' = s (1 + 2 x (e s) u'): one exp and
-    // a division, and no cancellation (1 - s = e s exactly). Below u = -44 (-2u > 88) e would
+    // a reciprocal, and no cancellation (1 - s = e s exactly). Below u = -44 (-2u > 88) e would
     // overflow (inf * 0 = NaN in `e s`): -2u is clamped at 88, which leaves a value under
     // 1e-35 |g| where the true one is smaller still (s < e^-88 times a cubic of x), far inside
     // the tolerance. x = -inf gives NaN as PyTorch's `-inf * 0`; x = +inf gives NaN by itself
-    // (inf * 0 in `x e s`), as PyTorch. The accurate-tanh form ran at 0.93x PyTorch at 2^28
-    // f32, compute-bound.
+    // (inf * 0 in `x e s`), as PyTorch. The accurate-tanh form made the f32 backward
+    // compute-bound (see docs/worklog.md, 2026-11-23b).
     #[inline(always)]
     fn bwd(x: f32, g: f32, _: f32, _: f32) -> f32 {
         let x2 = x * x;
         let m = -2.0 * GELU_BETA * (x + GELU_KAPPA * x2 * x);
         // min, not a branch: a select costs less than a divergent branch in a stream of
-        // random signs (0.958x PyTorch with the branch). NaN x passes through `x` below.
+        // random signs. NaN x passes through `x` below.
         let e = math::exp(if m > 88.0 { 88.0 } else { m });
         let s = math::recip(1.0 + e);
         let du = GELU_BETA * (1.0 + 3.0 * GELU_KAPPA * x2);
@@ -563,8 +567,8 @@ impl UnaryFn for GeluTanh {
     }
     // f16/bf16: sigmoid(2u) by `fastmath::sigmoid_half` (MUFU.EX2 and MUFU.RCP, 2^-21 relative,
     // 1/1000 of an f16 ulp) instead of the f32 exp and an IEEE division, each with its range
-    // checks: the bf16 forward at 2^16 took 4.48 us against PyTorch's 4.26 with the f32
-    // formula, the math after the loads being the launch's length at that size.
+    // checks: at small sizes the math after the loads is the launch's length (see
+    // docs/worklog.md, 2026-11-26e).
     #[inline(always)]
     fn fwd_half(x: f32, _: f32, _: f32) -> f32 {
         let inner = GELU_BETA * (x + GELU_KAPPA * x * x * x);
@@ -573,8 +577,8 @@ impl UnaryFn for GeluTanh {
     }
     // s = sigmoid(2u) by `sigmoid_half`, which saturates to exactly 0 and 1 (no e^-2u is formed,
     // so no clamp), and e s = 1 - s: one MUFU.EX2 and one MUFU.RCP an element instead of two
-    // each (with sigmoid_half(-2u) for e s, the bf16 backward ran at 0.91x PyTorch at 2^21
-    // elements, the special function unit setting the pace). For x < 0, s < 1/2 and 1 - s is
+    // each (with sigmoid_half(-2u) for e s the special function unit set the bf16 backward's
+    // pace: see docs/worklog.md, 2026-11-26f). For x < 0, s < 1/2 and 1 - s is
     // within s's error of e s. For x > 0, 1 - s is exact but takes s's absolute error (about
     // 2^-23 near 1), which enters the result as 2^-23 |2 x u'| against 1 + 2 x (e s) u' >= 1:
     // under 2^-15 relative up to x = 10, past which s is 1 and e s is 0 (the true e s is under
@@ -583,9 +587,9 @@ impl UnaryFn for GeluTanh {
     // Past |x| = 20, s is exactly 0 or 1 (e s 1 or 0), so the term 2 x (e s) u' is taken at x
     // clamped to +-20 (two FMNMX, no branch): the same value inside, and no `0 * inf` past
     // |x| = 1.8e19 (in bf16's range), where x^2 and u' are infinite and would give NaN where the
-    // derivative is 0 (x -> -inf side, here -0 or +0) or 1 (x -> +inf side). The guards this
-    // replaces were two branches an element (ncu at 2^21: 8% more instructions than PyTorch's
-    // kernel with them). u and u' with fmas: u = beta x (1 + kappa x^2). At x = +-inf NaN, as
+    // derivative is 0 (x -> -inf side, here -0 or +0) or 1 (x -> +inf side). Guards for s = 0
+    // and e s = 0 would be two branches an element (2026-11-26f). u and u' with fmas (Rust does
+    // not contract `a * b + c`): u = beta x (1 + kappa x^2). At x = +-inf NaN, as
     // PyTorch's `bwd` (`-inf * 0`, `inf * 0`); NaN x gives NaN through s.
     #[inline(always)]
     fn bwd_half(x: f32, g: f32, _: f32, _: f32) -> f32 {
@@ -638,8 +642,8 @@ fn mish_parts(x: f32) -> (f32, f32) {
     let e = math::exp(x);
     let n = e * (e + 2.0);
     // Both quotients from one reciprocal of the product of their denominators (under e^60
-    // below x = 20, no overflow): a division costs about as much as the exp, and the backward
-    // ran at 0.95x PyTorch with two.
+    // below x = 20, no overflow): a division costs about as much as the exp, and two of them
+    // slowed the backward (see docs/worklog.md, 2026-11-23b).
     let (dt, ds) = (n + 2.0, 1.0 + e);
     let r = math::recip(dt * ds);
     (n * ds * r, e * dt * r)
@@ -665,8 +669,9 @@ unary!(
 /// under half an ulp. Written `t r (1 + q)` with `r = 2 / (2 + t)` (about 1), so that a
 /// denormal `t` (z below -87) is scaled by a normal number and keeps its bits. Error: `t`'s
 /// (the exp, 2 ulp) passes with a factor below 1, the division and the polynomial add about 2
-/// ulp, the final add one rounding. About 30 instructions against 60 for the general
-/// `log1p(exp(z))`, which made the f32 forward compute-bound (2330 GB/s against PyTorch's 3000).
+/// ulp, the final add one rounding. About half the instructions of the general
+/// `log1p(exp(z))`, whose range reduction and special cases made the f32 forward compute-bound
+/// (see docs/worklog.md, 2026-11-23, softplus).
 #[inline(always)]
 fn softplus_unit(z: f32) -> f32 {
     let t = math::exp(-abs(z));
@@ -979,6 +984,8 @@ macro_rules! __unary_select {
 /// Every row of [`unary_table`] as `stem Type,` pairs passed to `$m!` in one invocation: the
 /// device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the kernel-side
 /// enums below get their kernel names from the same list, so the two cannot differ.
+///
+/// [`unary_table`]: crate::unary_table
 #[macro_export]
 macro_rules! unary_list {
     ($m:ident) => {
@@ -988,6 +995,8 @@ macro_rules! unary_list {
 
 /// The activations (`act` rows of [`unary_table`]), as [`unary_list`]: usable alone and inside
 /// the fused `act(x * scale + bias)`.
+///
+/// [`unary_table`]: crate::unary_table
 #[macro_export]
 macro_rules! activation_list {
     ($m:ident) => {
@@ -997,6 +1006,8 @@ macro_rules! activation_list {
 
 /// The ops with a kernel of their own for the backward from the output (the rows of
 /// [`unary_table`] with `y`, [`OutputGradFn`]), as [`unary_list`].
+///
+/// [`unary_table`]: crate::unary_table
 #[macro_export]
 macro_rules! output_grad_list {
     ($m:ident) => {
