@@ -219,7 +219,9 @@ impl Tour {
     fn binary_fwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
         let ((a, ah), (b, bh)) = (self.normal(dt)?, self.operand(op, dt)?);
         let mut run = || Ok(vec![ops::binary(&a, &b, op)?]);
-        self.case(name, dt, "fwd", 3 * N as u64, &mut run, &|_, i| reference::binary_fwd(op, ah[i] as f64, bh[i] as f64))
+        self.case(name, dt, "fwd", 3 * N as u64, &mut run, &|_, i| {
+            reference::binary_fwd(op, ah[i] as f64, bh[i] as f64)
+        })
     }
 
     fn binary_bwd(&mut self, name: &str, op: BinaryOp, dt: DType) -> Result<()> {
