@@ -13,17 +13,13 @@
 //! device goes to the given stream instead, and allocations bypass the cache (see there).
 
 use crate::error::{Error, Result, driver};
-use crate::ops::Precision;
 use cudarc::driver::{result, sys};
 use kernels_gpu::kernel::KernelArgs;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-
-/// The values of [`Precision`], the default first (stored by index in `Inner`).
-const PRECISIONS: [Precision; 3] = [Precision::Highest, Precision::Tf32x3, Precision::Tf32x3Always];
 
 /// The PTX modules built from `kernels-gpu` by `build.rs`, stored deflated, oldest target
 /// first: `sm_80` (every kernel; the driver compiles it for any GPU from Ampere on) and `sm_90`
@@ -139,9 +135,6 @@ struct Inner {
     last_launch: AtomicUsize,
     /// `KERNELS_SYNC=1`: synchronise after every launch, so a fault is pinned to its kernel.
     sync_each_launch: bool,
-    /// The precision of f32 products that do not name one ([`Device::set_f32_matmul_precision`]),
-    /// as its index in [`PRECISIONS`].
-    matmul_precision: AtomicU8,
     /// `KERNELS_POISON_ALLOC=1`: fill every new allocation with 0xFF bytes (NaN in f32, f16 and
     /// bf16), so an element a kernel fails to write reads back as NaN. For tests; costs a memset.
     poison_alloc: bool,
@@ -246,20 +239,6 @@ impl Device {
     /// The number of streaming multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.0.sm_count
-    }
-
-    /// How the f32 products on this device that do not name a precision are computed (those of
-    /// [`crate::ops::matmul`], the linear layer, and [`crate::ops::Gemm`] with `precision:
-    /// None`), for every user of the device in the process: PyTorch's
-    /// `torch.set_float32_matmul_precision`. [`Precision::Highest`] (f32 FMAs) until set.
-    pub fn set_f32_matmul_precision(&self, precision: Precision) {
-        let i = PRECISIONS.iter().position(|&p| p == precision).expect("every precision is listed");
-        self.0.matmul_precision.store(i as u8, Ordering::Relaxed);
-    }
-
-    /// The precision [`Device::set_f32_matmul_precision`] set.
-    pub fn f32_matmul_precision(&self) -> Precision {
-        PRECISIONS[self.0.matmul_precision.load(Ordering::Relaxed) as usize]
     }
 
     /// Makes this device's context current on the calling thread (cached per thread).
@@ -896,7 +875,6 @@ impl Inner {
             by_name,
             last_launch: AtomicUsize::new(usize::MAX),
             sync_each_launch: std::env::var("KERNELS_SYNC").is_ok_and(|v| v == "1"),
-            matmul_precision: AtomicU8::new(0),
             poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
             pool: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
