@@ -22,7 +22,7 @@
 //!
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
 //! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`), [`launch`] the
-//! launch geometry, [`error`] the error type, [`interop`] borrowed memory and foreign streams
+//! launch geometry, [`rows`] the row kernels' launch planning, [`error`] the error type, [`interop`] borrowed memory and foreign streams
 //! (PyTorch).
 
 // Every public item says what it is: CI's clippy turns a missing doc into an error.
@@ -33,6 +33,7 @@ pub mod error;
 pub mod interop;
 pub mod launch;
 pub mod ops;
+pub mod rows;
 pub mod tensor;
 
 pub use device::{Device, Event, device_count};

@@ -4,7 +4,7 @@
 use super::{check_same_device, check_same_dtype, with_elem};
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::launch;
+use crate::rows;
 use crate::tensor::{IndexTensor, Tensor};
 use kernels_gpu::DType;
 use kernels_gpu::cross_entropy::{
@@ -115,9 +115,9 @@ fn check(op: &'static str, logits: &Tensor, target: &IndexTensor, opts: &CrossEn
 /// 70 registers on sm_90, over the 64 of a 1024-thread block).
 fn plan(dev: &crate::Device, kernel: &str, dt: DType, rows: u64, cols: u64) -> Result<Option<LaunchConfig>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    let g = launch::group_size(cols.div_ceil(vec), 4);
+    let g = rows::group_size(cols.div_ceil(vec), 4);
     let g = if g <= 32 { g } else { g.min((dev.max_threads(kernel)? / 32 * 32).max(32)) };
-    Ok(launch::rows(rows, g))
+    Ok(rows::grid(rows, g))
 }
 
 /// Cross-entropy of `logits` (`[N, C]`) against class indices `target` (`[N]`), as

@@ -1,12 +1,9 @@
 //! Softmax and log-softmax along the last dimension (host side of
 //! `kernels-gpu/src/softmax.rs`), forward and backward.
 
-use super::{
-    ROW_CLUSTERS, RowPlan, check_same_device, check_same_dtype, check_same_shape, cluster_row_plan, eight_vectors_fwd,
-    fwd_row_plan, row_plan, rows_cols, with_elem,
-};
+use super::{check_same_device, check_same_dtype, check_same_shape, rows_cols, with_elem};
 use crate::error::Result;
-use crate::launch::Spread;
+use crate::rows::{ROW_CLUSTERS, RowPlan, Spread, cluster_row_plan, eight_vectors_fwd, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
