@@ -1,7 +1,7 @@
 //! Cross-entropy over class indices, fused with the log-softmax (host side of
 //! `kernels-gpu/src/cross_entropy.rs`), forward and backward, as PyTorch's `F.cross_entropy`.
 
-use super::{check_same_device, check_same_dtype, with_elem};
+use super::check::{check_same_device, check_same_dtype, with_elem};
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::rows;
@@ -76,7 +76,7 @@ impl CrossEntropySaved {
         if lse.shape().len() != 1 {
             return Err(Error::InvalidArgument { op, message: format!("lse must be [N], got {:?}", lse.shape()) });
         }
-        super::shapes_match(op, &[1], count.shape(), "count holds one number")?;
+        super::check::shapes_match(op, &[1], count.shape(), "count holds one number")?;
         Ok(CrossEntropySaved { lse, count, opts })
     }
 }
@@ -165,9 +165,9 @@ pub fn cross_entropy_out(
     check_same_device(op, logits, out)?;
     check_same_dtype(op, logits, out)?;
     let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
-    super::shapes_match(op, want, out.shape(), "the loss has one entry per row, or none when reduced")?;
+    super::check::shapes_match(op, want, out.shape(), "the loss has one entry per row, or none when reduced")?;
     check_same_device(op, logits, &saved.lse)?;
-    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "lse has one entry per row")?;
+    super::check::shapes_match(op, &[rows as usize], saved.lse.shape(), "lse has one entry per row")?;
     saved.opts = opts;
     let CrossEntropySaved { lse, count, .. } = saved;
     let mut loss_f32 = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
@@ -263,12 +263,12 @@ pub fn cross_entropy_backward_out(
     check_same_device(op, logits, grad)?;
     check_same_dtype(op, logits, grad)?;
     let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
-    super::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
+    super::check::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
     check_same_device(op, logits, &saved.lse)?;
-    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
+    super::check::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
     check_same_device(op, logits, gx)?;
     check_same_dtype(op, logits, gx)?;
-    super::check_same_shape(op, logits, gx, "the logits' gradient has the logits' shape")?;
+    super::check::check_same_shape(op, logits, gx, "the logits' gradient has the logits' shape")?;
     let dev = logits.device();
     let dt = logits.dtype();
     let kernel = kernels_gpu::kernel_name!("cross_entropy_bwd", dt);

@@ -10,7 +10,8 @@
 //! [`plan`]). Problems beyond the grid's limits (more than 65535 row tiles or batches) are
 //! launched in pieces.
 
-use super::{Activation, check_same_device};
+use super::Activation;
+use super::check::check_same_device;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

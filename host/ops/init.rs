@@ -1,6 +1,6 @@
 //! Filling tensors (host side of `kernels-gpu/src/init.rs`).
 
-use super::with_elem;
+use super::check::with_elem;
 use crate::error::Result;
 use crate::launch;
 use crate::tensor::Tensor;

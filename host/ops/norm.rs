@@ -1,7 +1,7 @@
 //! Layer norm and RMS norm over the last dimension (host side of `kernels-gpu/src/norm.rs`),
 //! forward and backward.
 
-use super::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::rows::{self, RowPlan, Spread, fwd_row_plan, row_plan};
@@ -554,7 +554,7 @@ fn shapes_f32(op: &'static str, t: &Tensor, shape: &[usize]) -> Result<()> {
     if t.dtype() != DType::F32 {
         return Err(Error::DTypeMismatch { op, expected: DType::F32, got: t.dtype() });
     }
-    super::shapes_match(op, shape, t.shape(), "norm statistics must have one entry per row")
+    super::check::shapes_match(op, shape, t.shape(), "norm statistics must have one entry per row")
 }
 
 /// Layer norm over the last dimension, as `F.layer_norm(x, (cols,), weight, bias, eps)`

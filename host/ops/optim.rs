@@ -6,7 +6,7 @@
 //! bf16; the moments are always f32 (PyTorch keeps them in the parameters' dtype: the device
 //! file says why f32 is the better choice for f16/bf16 training).
 
-use super::{check_same_device, check_same_dtype, check_same_shape, with_elem};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;

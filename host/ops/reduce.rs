@@ -9,7 +9,7 @@
 //! the kernels combine in a fixed order without atomics, so the same input gives the same bits
 //! on every run.
 
-use super::{check_same_device, check_same_dtype, rows_cols, shapes_match, with_elem};
+use super::check::{check_same_device, check_same_dtype, rows_cols, shapes_match, with_elem};
 use crate::DType;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};

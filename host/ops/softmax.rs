@@ -1,7 +1,7 @@
 //! Softmax and log-softmax along the last dimension (host side of
 //! `kernels-gpu/src/softmax.rs`), forward and backward.
 
-use super::{check_same_device, check_same_dtype, check_same_shape, rows_cols, with_elem};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, rows_cols, with_elem};
 use crate::error::Result;
 use crate::rows::{ROW_CLUSTERS, RowPlan, Spread, cluster_row_plan, eight_vectors_fwd, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;

@@ -2,7 +2,7 @@
 //! `kernels-gpu/src/transpose.rs`): `[.., rows, cols]` becomes `[.., cols, rows]`, batched over
 //! the leading dimensions. Exact: the kernels move bits.
 
-use super::{check_same_device, check_same_dtype, shapes_match, with_elem};
+use super::check::{check_same_device, check_same_dtype, shapes_match, with_elem};
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
