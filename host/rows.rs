@@ -5,9 +5,10 @@
 //! for the kernels' limits.
 
 use crate::device::{Device, LaunchConfig};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use kernels_gpu::DType;
-use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
+use kernels_gpu::kernel::{Kernel, Params};
+use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, RowKernels, RowVariant, reduce_smem_bytes};
 
 /// Elements of `dt` in a 16-byte vector (`kernels_gpu::Elem::VEC`).
 fn vec_len(dt: DType) -> u64 {
@@ -110,14 +111,6 @@ pub fn cluster_split(nvec: u64, v: u64, sizes: &[u32], max_threads: u32) -> Opti
     })
 }
 
-/// How a row kernel runs: its name and launch.
-pub(crate) struct RowPlan {
-    pub kernel: String,
-    pub cfg: LaunchConfig,
-    /// Vectors per thread of the register-resident kernel, `None` for the streaming one.
-    pub v: Option<usize>,
-}
-
 /// Whether a register-resident forward (softmax, the norms) may hold rows of `cols` elements of
 /// `dt` at eight vectors a thread: f32 always; f16/bf16 only for rows over 16384, which four
 /// would hold only in blocks over 512 threads (one an SM), while eight hold rows of 32768 in 512
@@ -127,23 +120,86 @@ pub(crate) fn eight_vectors_fwd(dt: DType, cols: u64) -> bool {
     dt == DType::F32 || cols > 16384
 }
 
-/// Chooses between the register-resident instances of the row kernel `stem` (`<stem>_v<V>_<dt>`,
-/// `V` from `avail`) and its streaming one (`<stem>_stream_<dt>`) for `rows` rows of `cols`
+/// Where a row plan gets its kernels: a family's typed table ([`RowKernels`], whose plans
+/// launch through typed handles) or, for the families not yet declared through one, a name stem
+/// (`<stem>_v<V>_<dt>`, `<stem>_stream_<dt>`, `<stem>_c<C>_v<V>_<dt>`).
+pub(crate) trait RowSource {
+    /// What a plan launches.
+    type Kernel: KernelName;
+    /// The instance `v`, if the family declares it.
+    fn instance(&self, v: RowVariant) -> Option<Self::Kernel>;
+}
+
+/// A kernel's name, for the device's queries about it.
+pub(crate) trait KernelName: Clone {
+    /// The entry's name.
+    fn name(&self) -> &str;
+}
+
+impl<A: Params> KernelName for Kernel<A> {
+    fn name(&self) -> &str {
+        Kernel::name(self)
+    }
+}
+
+impl KernelName for String {
+    fn name(&self) -> &str {
+        self
+    }
+}
+
+impl<A: Params> RowSource for RowKernels<A> {
+    type Kernel = Kernel<A>;
+    fn instance(&self, v: RowVariant) -> Option<Kernel<A>> {
+        self.get(v)
+    }
+}
+
+/// The instances of the row kernel `stem` of `dt`, by name.
+pub(crate) struct Stem<'a>(pub &'a str, pub DType);
+
+impl RowSource for Stem<'_> {
+    type Kernel = String;
+    fn instance(&self, v: RowVariant) -> Option<String> {
+        let Stem(stem, dt) = self;
+        let sfx = dt.suffix();
+        Some(match v {
+            RowVariant::Reg(v) => format!("{stem}_v{v}_{sfx}"),
+            RowVariant::Stream => format!("{stem}_stream_{sfx}"),
+            RowVariant::Cluster(c, v) => format!("{stem}_c{c}_v{v}_{sfx}"),
+        })
+    }
+}
+
+/// The instance `v` of `src`, or an error naming what is missing (a family's table lacks it).
+fn instance<S: RowSource>(src: &S, v: RowVariant) -> Result<S::Kernel> {
+    src.instance(v).ok_or_else(|| Error::KernelNotFound { name: format!("a row kernel's {v:?} instance") })
+}
+
+/// How a row kernel runs: its kernel and launch.
+pub(crate) struct RowPlan<K> {
+    pub kernel: K,
+    pub cfg: LaunchConfig,
+    /// Vectors per thread of the register-resident kernel, `None` for the streaming one.
+    pub v: Option<usize>,
+}
+
+/// Chooses between the register-resident instances of a row kernel (`src`'s `Reg(V)`, `V` from
+/// `avail`) and its streaming one for `rows` rows of `cols`
 /// elements of `dt`: registers when the rows are whole 16-byte vectors, short enough, and the
 /// kernel's registers allow the block (see `kernels-gpu/src/rows.rs`); the row spread over a
 /// group as `spread` says ([`Spread`]; `Narrow` for launches of few rows).
 /// `None` if `rows` is 0.
-pub(crate) fn row_plan(
+pub(crate) fn row_plan<S: RowSource>(
     dev: &Device,
-    stem: &str,
+    src: &S,
     dt: DType,
     rows: u64,
     cols: u64,
     avail: &[usize],
     spread: Spread,
-) -> Result<Option<RowPlan>> {
+) -> Result<Option<RowPlan<S::Kernel>>> {
     let vec = vec_len(dt);
-    let sfx = dt.suffix();
     if rows == 0 {
         return Ok(None);
     }
@@ -156,10 +212,10 @@ pub(crate) fn row_plan(
         && let Some(v) = reg_vectors(cols / vec, avail, spread)
     {
         let g = group_size(cols / vec, v as u64);
-        let kernel = format!("{stem}_v{v}_{sfx}");
+        let kernel = instance(src, RowVariant::Reg(v))?;
         if rows_fit_grid(rows, g)
             && let Some(cfg) = grid(rows, g)
-            && cfg.block.0 * cfg.block.1 <= dev.max_threads(&kernel)?
+            && cfg.block.0 * cfg.block.1 <= dev.max_threads(kernel.name())?
         {
             return Ok(Some(RowPlan { kernel, cfg, v: Some(v) }));
         }
@@ -167,8 +223,8 @@ pub(crate) fn row_plan(
     // Streaming: about four vectors per thread per pass, up to 1024 threads per row. (Sixteen,
     // i.e. 512 threads and two rows per SM, measured slower on the H100: 1829 against 2073 GB/s
     // for the f32 softmax backward at 4096 x 32768, 1741 against 1844 for layer norm.)
-    let kernel = format!("{stem}_stream_{sfx}");
-    let max = dev.max_threads(&kernel)? / 32 * 32;
+    let kernel = instance(src, RowVariant::Stream)?;
+    let max = dev.max_threads(kernel.name())? / 32 * 32;
     let g = group_size(cols.div_ceil(vec), 4).min(max.max(32));
     let cfg = grid(rows, g).expect("rows > 0");
     Ok(Some(RowPlan { kernel, cfg, v: None }))
@@ -187,41 +243,41 @@ pub(crate) fn row_plan(
 /// 4096 11.2 -> 8.5, bf16 32 x 4096 8.4 -> 6.7, f32 8 x 16384 10.5 -> 8.9; at 512 x 4096 f32 one
 /// vector a thread would be two waves (18.3 us) where four are one (11.6) (`benches/NOTES.md`,
 /// sixteenth session).
-pub(crate) fn fwd_row_plan(
+pub(crate) fn fwd_row_plan<S: RowSource>(
     dev: &Device,
-    stem: &str,
+    src: &S,
     dt: DType,
     rows: u64,
     cols: u64,
     avail: &[usize],
     spread: Spread,
-) -> Result<Option<RowPlan>> {
+) -> Result<Option<RowPlan<S::Kernel>>> {
     let vec = vec_len(dt);
     let few = rows > 0 && rows < 4 * dev.sm_count() as u64;
     if few && cols > 0 && cols.is_multiple_of(vec) {
         let nvec = cols / vec;
         for &v in avail.iter().filter(|&&v| nvec <= v as u64 * MAX_GROUP as u64) {
-            let kernel = format!("{stem}_v{v}_{}", dt.suffix());
+            let kernel = instance(src, RowVariant::Reg(v))?;
             let g = group_size(nvec, v as u64);
             let Some(cfg) = grid(rows, g) else { continue };
             let threads = cfg.block.0 * cfg.block.1;
-            if !rows_fit_grid(rows, g) || threads > dev.max_threads(&kernel)? {
+            if !rows_fit_grid(rows, g) || threads > dev.max_threads(kernel.name())? {
                 continue;
             }
-            let resident = dev.sm_count() as u64 * dev.blocks_per_sm(&kernel, threads, cfg.shared_bytes)? as u64;
+            let resident = dev.sm_count() as u64 * dev.blocks_per_sm(kernel.name(), threads, cfg.shared_bytes)? as u64;
             if cfg.grid.0 as u64 <= resident {
                 return Ok(Some(RowPlan { kernel, cfg, v: Some(v) }));
             }
         }
     }
-    let plan = row_plan(dev, stem, dt, rows, cols, avail, spread)?;
+    let plan = row_plan(dev, src, dt, rows, cols, avail, spread)?;
     if spread == Spread::Wide {
         return Ok(plan);
     }
-    let wide = row_plan(dev, stem, dt, rows, cols, avail, Spread::Wide)?;
-    let waves = |p: &RowPlan| -> Result<u64> {
+    let wide = row_plan(dev, src, dt, rows, cols, avail, Spread::Wide)?;
+    let waves = |p: &RowPlan<S::Kernel>| -> Result<u64> {
         let threads = p.cfg.block.0 * p.cfg.block.1;
-        let resident = dev.sm_count() as u64 * dev.blocks_per_sm(&p.kernel, threads, p.cfg.shared_bytes)? as u64;
+        let resident = dev.sm_count() as u64 * dev.blocks_per_sm(p.kernel.name(), threads, p.cfg.shared_bytes)? as u64;
         Ok((p.cfg.grid.0 as u64).div_ceil(resident.max(1)))
     };
     match (plan, wide) {
@@ -230,15 +286,11 @@ pub(crate) fn fwd_row_plan(
     }
 }
 
-/// Cluster sizes of the one-row-per-cluster kernels `<stem>_c<C>_v4_<dt>` (sm_90; the softmax
-/// backward), which hold four vectors a thread.
-pub(crate) const ROW_CLUSTERS: [u32; 3] = [2, 4, 8];
-
-/// A row cut into runs over a thread-block cluster (sm_90; `kernels-gpu/src/rows.rs`): the kernel
-/// `<stem>_c<C>_v<V>_<dt>`, `C` blocks of `threads` threads, and the block's dynamic shared
+/// A row cut into runs over a thread-block cluster (sm_90; `kernels-gpu/src/rows.rs`): the
+/// instance `Cluster(C, V)`, `C` blocks of `threads` threads, and the block's dynamic shared
 /// memory (the reductions', the cluster exchange's and the caller's `extra`).
-pub(crate) struct ClusterSplit {
-    pub kernel: String,
+pub(crate) struct ClusterSplit<K> {
+    pub kernel: K,
     pub blocks: u32,
     pub threads: u32,
     pub shared_bytes: u32,
@@ -249,24 +301,24 @@ pub(crate) struct ClusterSplit {
 /// are whole vectors, and the shared memory fits; `extra(run_cols)` is what the caller's kernel
 /// keeps per block for a run of `run_cols` columns. `None` otherwise.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn cluster_kernel(
+pub(crate) fn cluster_kernel<S: RowSource>(
     dev: &Device,
-    stem: &str,
+    src: &S,
     dt: DType,
     cols: u64,
     v: u64,
     sizes: &[u32],
     max_threads: u32,
     extra: impl Fn(u64) -> u64,
-) -> Result<Option<ClusterSplit>> {
+) -> Result<Option<ClusterSplit<S::Kernel>>> {
     use kernels_gpu::rows::cluster_slots;
     let vec = vec_len(dt);
     if !cols.is_multiple_of(vec) {
         return Ok(None);
     }
     let Some((c, g)) = cluster_split(cols / vec, v, sizes, max_threads) else { return Ok(None) };
-    let kernel = format!("{stem}_c{c}_v{v}_{}", dt.suffix());
-    if !dev.has_kernel(&kernel) || g > dev.max_threads(&kernel)? {
+    let Some(kernel) = src.instance(RowVariant::Cluster(c, v as usize)) else { return Ok(None) };
+    if !dev.has_kernel(kernel.name()) || g > dev.max_threads(kernel.name())? {
         return Ok(None);
     }
     let run_cols = (cols / vec).div_ceil(c as u64) * vec;
@@ -277,17 +329,18 @@ pub(crate) fn cluster_kernel(
     Ok(Some(ClusterSplit { kernel, blocks: c, threads: g, shared_bytes: smem as u32 }))
 }
 
-/// A launch of `<stem>_c<C>_v4_<dt>` with one cluster of `C` blocks of at most `max_threads`
+/// A launch of `src`'s `Cluster(C, 4)` (`C` from `sizes`, ascending) with one cluster of `C` blocks of at most `max_threads`
 /// threads per row ([`cluster_kernel`]); `None` where there is no such kernel or split.
-pub(crate) fn cluster_row_plan(
+pub(crate) fn cluster_row_plan<S: RowSource>(
     dev: &Device,
-    stem: &str,
+    src: &S,
     dt: DType,
     rows: u64,
     cols: u64,
+    sizes: &[u32],
     max_threads: u32,
-) -> Result<Option<RowPlan>> {
-    let Some(cs) = cluster_kernel(dev, stem, dt, cols, 4, &ROW_CLUSTERS, max_threads, |_| 0)? else {
+) -> Result<Option<RowPlan<S::Kernel>>> {
+    let Some(cs) = cluster_kernel(dev, src, dt, cols, 4, sizes, max_threads, |_| 0)? else {
         return Ok(None);
     };
     let blocks = rows * cs.blocks as u64;

@@ -28,7 +28,8 @@ pub use transpose::*;
 /// transpose), the GEMM and the optimizer, with the parameter count of the signature the host launches it
 /// with; checked against the PTX by `tests/cpu.rs`.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
-    let mut v = softmax::launched_kernels();
+    let mut v: Vec<(String, usize)> =
+        kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
     v.extend(norm::launched_kernels());
     v.extend(cross_entropy::launched_kernels());
     v.extend(reduce::launched_kernels());

@@ -4,7 +4,7 @@
 use super::check::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
-use crate::rows::{self, RowPlan, Spread, fwd_row_plan, row_plan};
+use crate::rows::{self, RowPlan, Spread, Stem, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
@@ -160,9 +160,15 @@ fn forward_out(
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
-    if let Some(p) =
-        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?
-    {
+    if let Some(p) = fwd_row_plan(
+        dev,
+        &Stem(&format!("{}_fwd", kind.stem()), dt),
+        dt,
+        rows,
+        cols,
+        fwd_vectors(dt, cols),
+        kind.fwd_spread(dt),
+    )? {
         let mean_p = ptr_mut_or_null(mean.as_mut())?;
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
@@ -352,7 +358,7 @@ fn backward_out(
 /// columns) by `by` threads, a thread one vector of the slice in `V` rows, the fewest `V` that
 /// holds the rows in at most [`SLICES_THREADS`] threads.
 /// `None` outside [`slices_shape`], where the device has no such kernel or the rows do not fit.
-fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan>> {
+fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan<String>>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
     if !slices_shape(rows, cols, vec) {
         return Ok(None);
@@ -440,16 +446,16 @@ fn backward_plan(
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(RowPlan, Option<u64>)>> {
+) -> Result<Option<(RowPlan<String>, Option<u64>)>> {
     let stem = format!("{}_bwd", kind.stem());
     // The cluster kernel's launch and its partial rows of dw, db: one per cluster.
-    let cluster = || -> Result<Option<(RowPlan, Option<u64>)>> {
+    let cluster = || -> Result<Option<(RowPlan<String>, Option<u64>)>> {
         Ok(cluster_plan(dev, &stem, dt, rows, cols, want_params)?.map(|(c, p)| {
             let chunks = (p.cfg.grid.0 / c) as u64;
             (p, Some(chunks))
         }))
     };
-    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
+    let Some(mut p) = row_plan(dev, &Stem(&stem, dt), dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
         return Ok(None);
     };
     // The register-resident kernel keeps each group's column sums in shared memory.
@@ -501,8 +507,15 @@ pub fn norm_kernels(
     params: bool,
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
-    let fwd =
-        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?;
+    let fwd = fwd_row_plan(
+        dev,
+        &Stem(&format!("{}_fwd", kind.stem()), dt),
+        dt,
+        rows,
+        cols,
+        fwd_vectors(dt, cols),
+        kind.fwd_spread(dt),
+    )?;
     let one = if params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
     let bwd = match one {
         Some(p) => Some(p.kernel),
@@ -530,10 +543,12 @@ fn cluster_plan(
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(u32, RowPlan)>> {
+) -> Result<Option<(u32, RowPlan<String>)>> {
     let v = CLUSTER_VECTORS;
     let sums = |run_cols: u64| if want_params { 2 * padded(run_cols) as u64 * 4 } else { 0 };
-    let Some(cs) = rows::cluster_kernel(dev, stem, dt, cols, v, &CLUSTERS, 1024, sums)? else { return Ok(None) };
+    let Some(cs) = rows::cluster_kernel(dev, &Stem(stem, dt), dt, cols, v, &CLUSTERS, 1024, sums)? else {
+        return Ok(None);
+    };
     if rows == 0 {
         return Ok(None);
     }
