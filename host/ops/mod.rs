@@ -31,7 +31,7 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
     v.extend(norm::launched_kernels());
-    v.extend(cross_entropy::launched_kernels());
+    v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(reduce::launched_kernels());
     v.extend(transpose::launched_kernels());
     v.extend(gemm::launched_kernels());
