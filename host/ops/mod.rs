@@ -33,9 +33,9 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     v.extend(norm::launched_kernels());
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(reduce::launched_kernels());
-    v.extend(transpose::launched_kernels());
+    v.extend(kernels_gpu::transpose::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(gemm::launched_kernels());
-    v.extend(optim::launched_kernels());
+    v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v
 }
 
