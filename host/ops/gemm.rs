@@ -90,7 +90,7 @@ static MATMUL_PRECISION: Mutex<BTreeMap<usize, Precision>> = Mutex::new(BTreeMap
 
 impl Device {
     /// How the f32 products on this device that do not name a precision are computed (those of
-    /// [`matmul`](crate::ops::matmul), the linear layer, and [`Gemm`] with `precision: None`),
+    /// [`matmul`], the linear layer, and [`Gemm`] with `precision: None`),
     /// for every user of the device in the process: PyTorch's
     /// `torch.set_float32_matmul_precision`. [`Precision::Highest`] (f32 FMAs) until set.
     pub fn set_f32_matmul_precision(&self, precision: Precision) {
