@@ -36,14 +36,6 @@ const FLUSH_ELEMS: usize = 1 << 26;
 #[path = "../tests/common/reference.rs"]
 mod reference;
 
-/// An error bound, as the references state them (not used by the tour's own check).
-#[allow(dead_code)]
-#[derive(Clone, Copy, Debug)]
-struct Tol {
-    rtol: f64,
-    atol: f64,
-}
-
 /// The op's inputs are drawn positive (its row in the op table says so).
 fn positive(op: UnaryOp) -> bool {
     ops::UNARY_OPS.iter().any(|i| i.name == op.name() && i.positive)

@@ -23,6 +23,11 @@
 use kernels::ops::{self, Activation, AdamW, AdamWState, CrossEntropyOpts};
 use kernels::{DType, Device, IndexTensor, Tensor};
 
+// The f64 references the tests check against.
+#[allow(dead_code)]
+#[path = "../tests/common/reference.rs"]
+mod reference;
+
 const N: usize = 4096;
 const D: usize = 64;
 const H: usize = 256;
@@ -100,14 +105,11 @@ fn reference(p: &Params<f64>, x: &[f32], y: &[i64]) -> (f64, Params<f64>) {
     (loss / N as f64, g)
 }
 
-/// PyTorch's AdamW step in f64 (the moments kept per parameter).
+/// PyTorch's AdamW step in f64 (the moments kept per parameter): the tests' reference.
 fn adamw_ref(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], cfg: &AdamW, t: u64) {
-    let (bc1, bc2) = (1.0 - cfg.beta1.powi(t as i32), 1.0 - cfg.beta2.powi(t as i32));
     for i in 0..p.len() {
-        p[i] *= 1.0 - cfg.lr * cfg.weight_decay;
-        m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * g[i];
-        v[i] = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * g[i] * g[i];
-        p[i] -= cfg.lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + cfg.eps);
+        let s = reference::adamw(p[i], g[i], m[i], v[i], cfg, t);
+        (p[i], m[i], v[i]) = (s.p, s.m, s.v);
     }
 }
 

@@ -4,7 +4,6 @@
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
 use kernels_gpu::elementwise::{BLOCK, CHUNK_BLOCK, COL_BLOCK_X, COL_BLOCK_Y, half_vectors, small_block};
-use kernels_gpu::rows::{MAX_GROUP, ROW_BLOCK, reduce_smem_bytes};
 
 /// Grid for an element-wise kernel over `n` elements moved `vec` at a time, `unroll` vectors
 /// per thread per round of its grid-stride loop, on a GPU with `sm_count` SMs holding
@@ -105,103 +104,6 @@ pub fn one_per_thread(n: u64) -> Option<LaunchConfig> {
     Some(LaunchConfig { grid: (n.div_ceil(BLOCK as u64) as u32, 1, 1), block: (BLOCK, 1, 1), shared_bytes: 0 })
 }
 
-/// Threads per row (a *group*, see `kernels-gpu/src/rows.rs`) to cover `units` (vectors or
-/// elements) at `per_thread` each: a power of two up to 32, a multiple of 32 up to 1024.
-pub fn group_size(units: u64, per_thread: u64) -> u32 {
-    let want = units.div_ceil(per_thread.max(1)).max(1);
-    // Capped before rounding up (MAX_GROUP is a multiple of 32): no overflow.
-    if want <= 32 { want.next_power_of_two() as u32 } else { want.min(MAX_GROUP as u64).next_multiple_of(32) as u32 }
-}
-
-/// Launch of a row kernel over `rows` rows with groups of `g` threads: blocks of `(g, R)` with
-/// `g * R` = 256 threads where the group is smaller (several rows per block), one group per
-/// block otherwise, one block per `R` rows, and the shared memory of the group reductions.
-/// The grid is capped at 2^31 - 1 blocks; the streaming kernels loop over the rows beyond it,
-/// and the register-resident ones are only chosen when no cap applies (see
-/// [`rows_fit_grid`]). `None` when `rows` is 0, or `g` is not a group size (1 to
-/// [`MAX_GROUP`]).
-pub fn rows(rows: u64, g: u32) -> Option<LaunchConfig> {
-    if rows == 0 || !(1..=MAX_GROUP).contains(&g) {
-        return None;
-    }
-    let r = (ROW_BLOCK / g).max(1);
-    let blocks = rows.div_ceil(r as u64).min(i32::MAX as u64) as u32;
-    Some(LaunchConfig { grid: (blocks, 1, 1), block: (g, r, 1), shared_bytes: reduce_smem_bytes(g * r) })
-}
-
-/// Whether [`rows`] gives every row its own group (no grid cap); false where it gives no launch.
-pub fn rows_fit_grid(rows: u64, g: u32) -> bool {
-    (1..=MAX_GROUP).contains(&g) && rows.div_ceil((ROW_BLOCK / g).max(1) as u64) <= i32::MAX as u64
-}
-
-/// How [`reg_vectors`] spreads a row over the threads of its group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Spread {
-    /// The fewest vectors that keep a group at 128 threads or fewer (many rows per SM), else at
-    /// 256, 512, 1024. For launches of few rows, whose rows then spread over more blocks.
-    Narrow,
-    /// As `Narrow`, but at least four vectors a thread where the row has them: four loads in
-    /// flight per thread, and a group reduction (a butterfly of shuffles, and for groups over
-    /// 32 a round through shared memory) amortised over 16-32 values; with one vector per
-    /// thread a row of 128 f32 spent more time reducing than loading (docs/worklog.md,
-    /// 2026-11-23b). (Not for kernels whose
-    /// registers grow fastest with the vectors, like the norms' backward, where four vectors of
-    /// f32 take 160 registers: their `available` stops below four.)
-    Wide,
-    /// As `Wide`, with at least two vectors a thread instead of four: only rows of up to 256
-    /// vectors differ (two vectors then fit a group of 128 threads). The forwards of softmax,
-    /// log-softmax and f16/bf16 RMS norm: a reduction's fixed cost over half the elements, for
-    /// more warps in flight (softmax bf16: 32 registers against 44, eight 256-thread blocks an SM
-    /// against five). On the H100, against four vectors in the same run, the rows of up to 256 vectors
-    /// gained and those of 1024 columns and more stayed level, except f32 log-softmax at 8192 x 512,
-    /// which lost beyond the noise (docs/worklog.md, 2026-11-26g).
-    Two,
-    /// The fewest vectors a thread (the largest group, up to 1024 threads). Softmax's backward:
-    /// two loads a vector (y and its gradient), one reduction and a multiply-add an element, so
-    /// what pays is threads, i.e. warps in flight, more than loads per thread: on the H100 it beat
-    /// four or two vectors a thread at every shape measured (docs/worklog.md, 2026-11-25).
-    Fewest,
-}
-
-/// Vectors per thread for a register-resident row kernel over rows of `nvec` vectors, from the
-/// instantiated `available` ones (ascending), spread as `spread` says, or `None` when the row
-/// is too long for them.
-pub fn reg_vectors(nvec: u64, available: &[usize], spread: Spread) -> Option<usize> {
-    if nvec == 0 {
-        return None;
-    }
-    let holds = |v: usize, threads: u64| nvec <= (v as u64).saturating_mul(threads);
-    if spread == Spread::Fewest {
-        return available.iter().copied().find(|&v| holds(v, MAX_GROUP as u64));
-    }
-    let most = available.iter().copied().max()?;
-    // Capped before rounding up to a power of two (`min` of powers of two): no overflow.
-    let floor = match spread {
-        Spread::Wide => (nvec.min(4).next_power_of_two() as usize).min(most),
-        Spread::Two => (nvec.min(2).next_power_of_two() as usize).min(most),
-        _ => 1,
-    };
-    let fits = |limit: u64| available.iter().copied().filter(|&v| v >= floor).find(|&v| holds(v, limit));
-    [128, 256, 512, MAX_GROUP as u64].into_iter().find_map(fits)
-}
-
-/// A row held by a thread-block cluster (sm_90; `kernels-gpu/src/rows.rs`): the first cluster
-/// size of `sizes` (ascending) whose blocks, at `v` vectors a thread and at most `max_threads`
-/// threads (at most 1024), hold a row of `nvec` vectors, with the threads per block (a
-/// multiple of 32: the group reductions' shape). `None` when no size is enough.
-pub fn cluster_split(nvec: u64, v: u64, sizes: &[u32], max_threads: u32) -> Option<(u32, u32)> {
-    if nvec == 0 {
-        return None;
-    }
-    let most = max_threads.min(MAX_GROUP) as u64;
-    sizes.iter().filter(|&&c| c > 0).find_map(|&c| {
-        let g = nvec.div_ceil(c as u64).div_ceil(v.max(1));
-        // Rounded up to a warp only once within `most` (at most 1024): no overflow.
-        let g = (g <= most).then(|| g.next_multiple_of(32)).filter(|&g| g <= most)?;
-        Some((c, g as u32))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,8 +126,6 @@ mod tests {
             b in any_u64(),
             s in any_u32(),
             t in any_u32(),
-            sizes in proptest::collection::vec(any_u32(), 0..4),
-            avail in proptest::collection::vec(any_u64(), 0..4),
         ) {
             if let Some(c) = elementwise(n, a, b, s, t) {
                 prop_assert!(c.grid.0 >= 1 && (32..=BLOCK).contains(&c.block.0));
@@ -236,33 +136,13 @@ mod tests {
             let _ = elementwise_chunks("t", n, a, b);
             let _ = col_reduce(n, a, s, t);
             let _ = one_per_thread(n);
-            prop_assert!((1..=MAX_GROUP).contains(&group_size(n, a)));
-            let r = rows(n, s);
-            prop_assert_eq!(r.is_some(), n > 0 && (1..=MAX_GROUP).contains(&s));
-            let _ = rows_fit_grid(n, s);
-            let avail: Vec<usize> = avail.into_iter().map(|v| v as usize).collect();
-            for spread in [Spread::Narrow, Spread::Wide, Spread::Two, Spread::Fewest] {
-                if let Some(v) = reg_vectors(n, &avail, spread) {
-                    prop_assert!(avail.contains(&v));
-                }
-            }
-            if let Some((c, g)) = cluster_split(n, a, &sizes, t) {
-                prop_assert!(sizes.contains(&c) && g.is_multiple_of(32) && g <= t.min(MAX_GROUP));
-            }
         }
     }
 
     #[test]
     fn degenerate_inputs_are_no_launch() {
-        assert_eq!(rows(1, 0), None);
-        assert_eq!(rows(1, MAX_GROUP + 1), None);
-        assert!(!rows_fit_grid(1, 0));
-        assert_eq!(cluster_split(8, 1, &[0], 1024), None);
-        assert_eq!(cluster_split(u64::MAX, 1, &[1], u32::MAX), None);
-        assert_eq!(reg_vectors(u64::MAX, &[usize::MAX], Spread::Wide), Some(usize::MAX));
         // A vector or unroll of 0 is taken as 1, not divided by.
         assert_eq!(elementwise(5, 0, 0, 132, 8), elementwise(5, 1, 1, 132, 8));
-        assert_eq!(group_size(u64::MAX, 1), MAX_GROUP);
     }
 
     #[test]
@@ -373,66 +253,5 @@ mod tests {
         assert!(chunks as u64 * 128 >= 4 * 132 * 8);
         let (_, chunks) = col_reduce(17, 3, 132, 8).unwrap();
         assert_eq!(chunks, 3); // ceil(17 / 8) row groups at most
-    }
-
-    #[test]
-    fn row_groups() {
-        assert_eq!(group_size(1, 4), 1);
-        assert_eq!(group_size(5, 1), 8);
-        assert_eq!(group_size(32, 1), 32);
-        assert_eq!(group_size(33, 1), 64);
-        assert_eq!(group_size(100, 1), 128);
-        assert_eq!(group_size(1 << 20, 1), 1024);
-        assert_eq!(rows(0, 32), None);
-        let c = rows(1000, 16).unwrap();
-        assert_eq!((c.block, c.grid.0), ((16, 16, 1), 63));
-        let c = rows(7, 1024).unwrap();
-        assert_eq!((c.block, c.grid.0, c.shared_bytes), ((1024, 1, 1), 7, 32 * 16));
-        assert!(rows_fit_grid(1 << 38, 1));
-        assert!(!rows_fit_grid(1 << 38, 1024));
-        let all = [1, 2, 4, 8];
-        assert_eq!(reg_vectors(0, &all, Spread::Wide), None);
-        assert_eq!(reg_vectors(1, &all, Spread::Wide), Some(1));
-        assert_eq!(reg_vectors(3, &all, Spread::Wide), Some(4)); // a thread per row
-        assert_eq!(reg_vectors(32, &all, Spread::Wide), Some(4)); // 128 f32 columns: 8 threads x 4
-        assert_eq!(reg_vectors(32, &[1, 2], Spread::Wide), Some(2)); // without v4: 16 x 2
-        assert_eq!(reg_vectors(256, &all, Spread::Wide), Some(4)); // 1024 f32: 64 threads x 4
-        assert_eq!(reg_vectors(1024, &all, Spread::Wide), Some(8)); // 4096 f32: 128 threads x 8
-        assert_eq!(reg_vectors(1024, &[1, 2, 4], Spread::Wide), Some(4)); // ... 256 x 4 without v8
-        assert_eq!(reg_vectors(8192, &all, Spread::Wide), Some(8)); // 32768 f32: 1024 x 8
-        assert_eq!(reg_vectors(8193, &all, Spread::Wide), None);
-        assert_eq!(reg_vectors(8192, &[1, 2, 4], Spread::Wide), None);
-        assert_eq!(reg_vectors(32, &all, Spread::Narrow), Some(1)); // narrow: a warp per row of 128 f32
-        assert_eq!(reg_vectors(1, &all, Spread::Two), Some(1));
-        assert_eq!(reg_vectors(3, &all, Spread::Two), Some(2)); // two threads, the second one vector
-        assert_eq!(reg_vectors(16, &all, Spread::Two), Some(2)); // 128 bf16: 8 threads x 2
-        assert_eq!(reg_vectors(256, &all, Spread::Two), Some(2)); // 1024 f32: 128 threads x 2
-        assert_eq!(reg_vectors(257, &all, Spread::Two), Some(4)); // past 128 threads: as Wide
-        assert_eq!(reg_vectors(1024, &all, Spread::Two), Some(8));
-        let bwd = [1, 2, 4];
-        assert_eq!(reg_vectors(0, &bwd, Spread::Fewest), None);
-        assert_eq!(reg_vectors(32, &bwd, Spread::Fewest), Some(1)); // 128 f32: a warp a row
-        assert_eq!(reg_vectors(1024, &bwd, Spread::Fewest), Some(1)); // 4096 f32: 1024 x 1
-        assert_eq!(reg_vectors(1025, &bwd, Spread::Fewest), Some(2));
-        assert_eq!(reg_vectors(2048, &bwd, Spread::Fewest), Some(2)); // 8192 f32: 1024 x 2
-        assert_eq!(reg_vectors(4096, &bwd, Spread::Fewest), Some(4)); // 32768 bf16: 1024 x 4
-        assert_eq!(reg_vectors(4097, &bwd, Spread::Fewest), None);
-    }
-
-    #[test]
-    fn cluster_splits() {
-        // 32768 f32 = 8192 vectors at two a thread: four blocks of 1024 threads.
-        assert_eq!(cluster_split(8192, 2, &[4, 8], 1024), Some((4, 1024)));
-        // One vector more needs the cluster of eight (513 threads, rounded up to a warp).
-        assert_eq!(cluster_split(8193, 2, &[4, 8], 1024), Some((8, 544)));
-        assert_eq!(cluster_split(16384, 2, &[4, 8], 1024), Some((8, 1024)));
-        assert_eq!(cluster_split(16385, 2, &[4, 8], 1024), None);
-        // At most 512 threads (two blocks an SM): 32768 f32 at four vectors needs four blocks.
-        assert_eq!(cluster_split(8192, 4, &[2, 4, 8], 512), Some((4, 512)));
-        assert_eq!(cluster_split(8192, 4, &[2, 4, 8], 2048), Some((2, 1024)));
-        // A short row still gets whole warps.
-        assert_eq!(cluster_split(5, 1, &[4, 8], 1024), Some((4, 32)));
-        assert_eq!(cluster_split(0, 1, &[4, 8], 1024), None);
-        assert_eq!(cluster_split(100, 1, &[], 1024), None);
     }
 }

@@ -9,7 +9,6 @@ use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
 };
-use kernels_gpu::init::{FillArgs, RandomArgs, fill_kernel, normal_kernel, uniform_kernel};
 use kernels_gpu::kernel::Params;
 use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
 use kernels_gpu::ops::{Activation, Binary, OutputGrad, PowForm, Unary};
@@ -44,7 +43,7 @@ fn host_kernels() -> BTreeMap<String, usize> {
     }
     let mut m = BTreeMap::new();
     for dt in DType::ALL {
-        let (u_f, u_b, b_f, b_b, r_f, r_b, c, fl, rnd) = match dt {
+        let (u_f, u_b, b_f, b_b, r_f, r_b, c) = match dt {
             DType::F32 => (
                 arity::<UnaryFwdArgs<f32>>(),
                 arity::<UnaryBwdArgs<f32>>(),
@@ -53,8 +52,6 @@ fn host_kernels() -> BTreeMap<String, usize> {
                 arity::<RowFwdArgs<f32>>(),
                 arity::<RowBwdArgs<f32>>(),
                 arity::<ColsumFinishArgs<f32>>(),
-                arity::<FillArgs<f32>>(),
-                arity::<RandomArgs<f32>>(),
             ),
             DType::F16 => (
                 arity::<UnaryFwdArgs<F16>>(),
@@ -64,8 +61,6 @@ fn host_kernels() -> BTreeMap<String, usize> {
                 arity::<RowFwdArgs<F16>>(),
                 arity::<RowBwdArgs<F16>>(),
                 arity::<ColsumFinishArgs<F16>>(),
-                arity::<FillArgs<F16>>(),
-                arity::<RandomArgs<F16>>(),
             ),
             DType::BF16 => (
                 arity::<UnaryFwdArgs<BF16>>(),
@@ -75,8 +70,6 @@ fn host_kernels() -> BTreeMap<String, usize> {
                 arity::<RowFwdArgs<BF16>>(),
                 arity::<RowBwdArgs<BF16>>(),
                 arity::<ColsumFinishArgs<BF16>>(),
-                arity::<FillArgs<BF16>>(),
-                arity::<RandomArgs<BF16>>(),
             ),
         };
         let mut put = |name: &str, n: usize| m.insert(name.to_string(), n);
@@ -107,9 +100,6 @@ fn host_kernels() -> BTreeMap<String, usize> {
             put(o.bwd_y_small(dt), u_b);
         }
         put(colsum_finish_kernel(dt), c);
-        put(fill_kernel(dt), fl);
-        put(uniform_kernel(dt), rnd);
-        put(normal_kernel(dt), rnd);
     }
     for (from, to) in DType::ALL.into_iter().flat_map(|a| DType::ALL.map(|b| (a, b))) {
         if let Some(name) = cast_kernel(from, to) {
@@ -118,7 +108,7 @@ fn host_kernels() -> BTreeMap<String, usize> {
     }
     m.insert("math_probe_f32".into(), arity::<MathProbeArgs>());
     m.insert(MATH_PROBE_POW.into(), arity::<MathProbePowArgs>());
-    // The row families list their own (softmax, norms, cross-entropy, reductions, transpose).
+    // The other families list their own, from their declarations (see `row_family_kernels`).
     for (name, n) in crate::ops::row_family_kernels() {
         assert!(m.insert(name.clone(), n).is_none(), "`{name}` listed twice");
     }

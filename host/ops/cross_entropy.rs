@@ -1,16 +1,16 @@
 //! Cross-entropy over class indices, fused with the log-softmax (host side of
 //! `kernels-gpu/src/cross_entropy.rs`), forward and backward, as PyTorch's `F.cross_entropy`.
 
-use super::{check_same_device, check_same_dtype, with_elem};
+use super::check::{check_same_device, check_same_dtype, with_elem};
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::launch;
+use crate::rows;
 use crate::tensor::{IndexTensor, Tensor};
 use kernels_gpu::DType;
 use kernels_gpu::cross_entropy::{
-    CrossEntropyBwdArgs, CrossEntropyFwdArgs, CrossEntropyReduceArgs, MODE_MEAN, MODE_NONE, MODE_SUM, REDUCE_THREADS,
+    CrossEntropyBwdArgs, CrossEntropyElem, CrossEntropyFwdArgs, CrossEntropyReduceArgs, MODE_MEAN, MODE_NONE, MODE_SUM,
+    REDUCE_THREADS,
 };
-use kernels_gpu::kernel::Params;
 use kernels_gpu::rows::reduce_smem_bytes;
 
 /// How the per-row losses are combined, as PyTorch's `reduction`.
@@ -76,7 +76,7 @@ impl CrossEntropySaved {
         if lse.shape().len() != 1 {
             return Err(Error::InvalidArgument { op, message: format!("lse must be [N], got {:?}", lse.shape()) });
         }
-        super::shapes_match(op, &[1], count.shape(), "count holds one number")?;
+        super::check::shapes_match(op, &[1], count.shape(), "count holds one number")?;
         Ok(CrossEntropySaved { lse, count, opts })
     }
 }
@@ -115,9 +115,9 @@ fn check(op: &'static str, logits: &Tensor, target: &IndexTensor, opts: &CrossEn
 /// 70 registers on sm_90, over the 64 of a 1024-thread block).
 fn plan(dev: &crate::Device, kernel: &str, dt: DType, rows: u64, cols: u64) -> Result<Option<LaunchConfig>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-    let g = launch::group_size(cols.div_ceil(vec), 4);
+    let g = rows::group_size(cols.div_ceil(vec), 4);
     let g = if g <= 32 { g } else { g.min((dev.max_threads(kernel)? / 32 * 32).max(32)) };
-    Ok(launch::rows(rows, g))
+    Ok(rows::grid(rows, g))
 }
 
 /// Cross-entropy of `logits` (`[N, C]`) against class indices `target` (`[N]`), as
@@ -165,14 +165,14 @@ pub fn cross_entropy_out(
     check_same_device(op, logits, out)?;
     check_same_dtype(op, logits, out)?;
     let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
-    super::shapes_match(op, want, out.shape(), "the loss has one entry per row, or none when reduced")?;
+    super::check::shapes_match(op, want, out.shape(), "the loss has one entry per row, or none when reduced")?;
     check_same_device(op, logits, &saved.lse)?;
-    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "lse has one entry per row")?;
+    super::check::shapes_match(op, &[rows as usize], saved.lse.shape(), "lse has one entry per row")?;
     saved.opts = opts;
     let CrossEntropySaved { lse, count, .. } = saved;
     let mut loss_f32 = Tensor::alloc(op, dev, &[rows as usize], DType::F32)?;
     let mut bad = IndexTensor::zeros(dev, &[1])?;
-    let kernel = kernels_gpu::kernel_name!("cross_entropy_fwd", dt);
+    let kernel = with_elem!(dt, |T| T::CROSS_ENTROPY.fwd.name());
     if let Some(cfg) = plan(dev, kernel, dt, rows, cols)? {
         let loss_out = if opts.reduction == Reduction::None { out.dev_ptr_mut::<u8>()? } else { std::ptr::null_mut() };
         with_elem!(dt, |T| {
@@ -190,7 +190,7 @@ pub fn cross_entropy_out(
             );
             // SAFETY: logits hold rows * cols elements of T; target, loss, lse and (for `none`)
             // out hold rows; bad holds one u64.
-            unsafe { dev.launch(kernel, cfg, args) }
+            unsafe { dev.launch(T::CROSS_ENTROPY.fwd, cfg, args) }
         })?;
     }
     // The count of rows not ignored is needed by the mean's backward whatever the reduction.
@@ -199,7 +199,6 @@ pub fn cross_entropy_out(
         block: (REDUCE_THREADS, 1, 1),
         shared_bytes: reduce_smem_bytes(REDUCE_THREADS),
     };
-    let kernel = kernels_gpu::kernel_name!("cross_entropy_reduce", dt);
     let mode = opts.reduction.mode();
     let mut scratch;
     let red_out: *mut u8 = if opts.reduction == Reduction::None {
@@ -219,7 +218,7 @@ pub fn cross_entropy_out(
             mode,
         );
         // SAFETY: loss and target hold rows entries; the output and count one each.
-        unsafe { dev.launch(kernel, cfg, args) }
+        unsafe { dev.launch(T::CROSS_ENTROPY.reduce, cfg, args) }
     })?;
     let bad_row = bad.to_vec()?[0];
     if bad_row != 0 {
@@ -263,15 +262,15 @@ pub fn cross_entropy_backward_out(
     check_same_device(op, logits, grad)?;
     check_same_dtype(op, logits, grad)?;
     let want: &[usize] = if opts.reduction == Reduction::None { &[rows as usize] } else { &[] };
-    super::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
+    super::check::shapes_match(op, want, grad.shape(), "the loss's gradient has the loss's shape")?;
     check_same_device(op, logits, &saved.lse)?;
-    super::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
+    super::check::shapes_match(op, &[rows as usize], saved.lse.shape(), "saved by a forward over other logits")?;
     check_same_device(op, logits, gx)?;
     check_same_dtype(op, logits, gx)?;
-    super::check_same_shape(op, logits, gx, "the logits' gradient has the logits' shape")?;
+    super::check::check_same_shape(op, logits, gx, "the logits' gradient has the logits' shape")?;
     let dev = logits.device();
     let dt = logits.dtype();
-    let kernel = kernels_gpu::kernel_name!("cross_entropy_bwd", dt);
+    let kernel = with_elem!(dt, |T| T::CROSS_ENTROPY.bwd.name());
     let Some(cfg) = plan(dev, kernel, dt, rows, cols)? else { return Ok(()) };
     with_elem!(dt, |T| {
         let args: CrossEntropyBwdArgs<T> = (
@@ -289,21 +288,6 @@ pub fn cross_entropy_backward_out(
         );
         // SAFETY: logits and gx hold rows * cols elements of T; target and lse rows; grad rows
         // (none) or one; count one.
-        unsafe { dev.launch(kernel, cfg, args) }
+        unsafe { dev.launch(T::CROSS_ENTROPY.bwd, cfg, args) }
     })
-}
-
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    let mut v = Vec::new();
-    for dt in DType::ALL {
-        let (f, b, r) = with_elem!(dt, |T| (
-            <CrossEntropyFwdArgs<T> as Params>::ARITY,
-            <CrossEntropyBwdArgs<T> as Params>::ARITY,
-            <CrossEntropyReduceArgs<T> as Params>::ARITY
-        ));
-        v.push((kernels_gpu::kernel_name!("cross_entropy_fwd", dt).to_string(), f));
-        v.push((kernels_gpu::kernel_name!("cross_entropy_bwd", dt).to_string(), b));
-        v.push((kernels_gpu::kernel_name!("cross_entropy_reduce", dt).to_string(), r));
-    }
-    v
 }

@@ -62,7 +62,7 @@ macro_rules! from_output {
         Some(FromOutput::Kernel(OutputGrad::$Ty))
     };
     (yx, $Ty:ident, $p:expr) => {
-        Unary::$Ty.from_output($p).then_some(FromOutput::SameKernel)
+        Unary::$Ty.bwd_reads_y($p).then_some(FromOutput::SameKernel)
     };
     (y1, $Ty:ident, $p:expr) => {
         Some(FromOutput::Passes)
@@ -163,7 +163,7 @@ macro_rules! unary_api {
                 self.unary().check(self.params()).map_err(|m| Error::InvalidArgument { op, message: m.into() })
             }
 
-            fn from_output(self) -> Option<FromOutput> {
+            fn output_grad(self) -> Option<FromOutput> {
                 match self { $(Activation::$ATy { .. } => from_output!($ay, $ATy, self.params())),* }
             }
         }
@@ -221,7 +221,7 @@ macro_rules! unary_api {
 
             /// Whether the derivative is 1 everywhere, so that the gradient is the incoming one.
             pub fn passes_gradient(self) -> bool {
-                matches!(self.from_output(), Some(FromOutput::Passes))
+                matches!(self.output_grad(), Some(FromOutput::Passes))
             }
 
             fn validate(self, op: &'static str) -> Result<()> {
@@ -229,10 +229,10 @@ macro_rules! unary_api {
                 k.check(self.params()).map_err(|m| Error::InvalidArgument { op, message: m.into() })
             }
 
-            fn from_output(self) -> Option<FromOutput> {
+            fn output_grad(self) -> Option<FromOutput> {
                 match self {
                     $(UnaryOp::$MTy { .. } => from_output!($my, $MTy, self.params()),)*
-                    UnaryOp::Act(a) => a.from_output(),
+                    UnaryOp::Act(a) => a.output_grad(),
                 }
             }
         }
@@ -294,7 +294,7 @@ impl UnaryOp {
     /// Whether (and how) `op'(x)` can be computed from `y = op(x)`; an error naming the op if not.
     fn grad_from_output(self, name: &'static str) -> Result<FromOutput> {
         self.validate(name)?;
-        self.from_output().ok_or_else(|| {
+        self.output_grad().ok_or_else(|| {
             let able: Vec<&str> = UNARY_OPS.iter().filter(|o| o.from_output != "-").map(|o| o.name).collect();
             Error::InvalidArgument {
                 op: name,
@@ -920,8 +920,8 @@ mod tests {
         assert!(Activation::Softplus { beta: 0.0, threshold: 20.0 }.validate("t").is_err());
         assert!(Activation::Softplus { beta: 1.0, threshold: f32::NAN }.validate("t").is_err());
         assert!(Activation::Elu { alpha: -1.0 }.validate("t").is_ok());
-        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: -0.5 }).from_output().is_none());
-        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: 0.5 }).from_output().is_some());
+        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: -0.5 }).output_grad().is_none());
+        assert!(UnaryOp::Act(Activation::LeakyRelu { negative_slope: 0.5 }).output_grad().is_some());
         assert!(UnaryOp::Act(Activation::Gelu).grad_from_output("t").is_err());
     }
 }

@@ -10,7 +10,8 @@
 //! `plan`). Problems beyond the grid's limits (more than 65535 row tiles or batches) are
 //! launched in pieces.
 
-use super::{Activation, check_same_device};
+use super::Activation;
+use super::check::check_same_device;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -21,6 +22,8 @@ use kernels_gpu::gemm::{
 };
 use kernels_gpu::gemm_tf32x3::{self as tf32x3, TF32X3_KERNELS, tf32x3_kernel};
 use kernels_gpu::kernel::Params;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 /// The transposes and scalars of a GEMM: `C = alpha * op(A) @ op(B) + beta * C`, where `op(X)` is
 /// `X` or, if `trans_x`, `X^T` (the stored matrix read as its transpose, no copy made). `beta = 0`
@@ -85,6 +88,26 @@ pub enum Precision {
     /// [`Precision::Tf32x3`] on every shape, also where the FMA kernel is faster (for tests and
     /// measurements of the 3xTF32 kernel on small products).
     Tf32x3Always,
+}
+
+/// The precision set per device by [`Device::set_f32_matmul_precision`], by ordinal (one
+/// [`Device`] per ordinal per process). Kept here, not in the device, so the runtime knows
+/// nothing of the ops.
+static MATMUL_PRECISION: Mutex<BTreeMap<usize, Precision>> = Mutex::new(BTreeMap::new());
+
+impl Device {
+    /// How the f32 products on this device that do not name a precision are computed (those of
+    /// [`matmul`], the linear layer, and [`Gemm`] with `precision: None`),
+    /// for every user of the device in the process: PyTorch's
+    /// `torch.set_float32_matmul_precision`. [`Precision::Highest`] (f32 FMAs) until set.
+    pub fn set_f32_matmul_precision(&self, precision: Precision) {
+        MATMUL_PRECISION.lock().unwrap_or_else(|p| p.into_inner()).insert(self.ordinal(), precision);
+    }
+
+    /// The precision [`Device::set_f32_matmul_precision`] set.
+    pub fn f32_matmul_precision(&self) -> Precision {
+        MATMUL_PRECISION.lock().unwrap_or_else(|p| p.into_inner()).get(&self.ordinal()).copied().unwrap_or_default()
+    }
 }
 
 /// The kernel family a product of `m x k` by `k x n` (`batch` of them) runs in, on a GPU whose

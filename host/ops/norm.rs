@@ -1,11 +1,10 @@
 //! Layer norm and RMS norm over the last dimension (host side of `kernels-gpu/src/norm.rs`),
 //! forward and backward.
 
-use super::{
-    check_same_device, check_same_dtype, check_same_shape, fwd_row_plan, row_matches, row_plan, rows_cols, with_elem,
-};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
 use crate::error::{Error, Result};
-use crate::launch::{self, Spread};
+use crate::launch;
+use crate::rows::{self, RowPlan, Spread, Stem, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::kernel::Params;
@@ -41,9 +40,9 @@ pub struct NormGrads {
 /// Vectors per thread of the register-resident forward instances.
 const FWD_VECTORS: &[usize] = &[1, 2, 4, 8];
 
-/// The instances the forward chooses from for rows of `cols` (see [`super::eight_vectors_fwd`]).
+/// The instances the forward chooses from for rows of `cols` (see [`rows::eight_vectors_fwd`]).
 fn fwd_vectors(dt: DType, cols: u64) -> &'static [usize] {
-    if super::eight_vectors_fwd(dt, cols) { FWD_VECTORS } else { &FWD_VECTORS[..3] }
+    if rows::eight_vectors_fwd(dt, cols) { FWD_VECTORS } else { &FWD_VECTORS[..3] }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -160,9 +159,15 @@ fn forward_out(
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
     let dt = x.dtype();
-    if let Some(p) =
-        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?
-    {
+    if let Some(p) = fwd_row_plan(
+        dev,
+        &Stem(&format!("{}_fwd", kind.stem()), dt),
+        dt,
+        rows,
+        cols,
+        fwd_vectors(dt, cols),
+        kind.fwd_spread(dt),
+    )? {
         let mean_p = ptr_mut_or_null(mean.as_mut())?;
         with_elem!(dt, |T| {
             let args: NormFwdArgs<T> = (
@@ -352,7 +357,7 @@ fn backward_out(
 /// columns) by `by` threads, a thread one vector of the slice in `V` rows, the fewest `V` that
 /// holds the rows in at most [`SLICES_THREADS`] threads.
 /// `None` outside [`slices_shape`], where the device has no such kernel or the rows do not fit.
-fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<super::RowPlan>> {
+fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan<String>>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
     if !slices_shape(rows, cols, vec) {
         return Ok(None);
@@ -393,7 +398,7 @@ fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64)
                 block: (bx as u32, by as u32, 1),
                 shared_bytes: (floats * 4) as u32,
             };
-            return Ok(Some(super::RowPlan { kernel, cfg, v: Some(v) }));
+            return Ok(Some(RowPlan { kernel, cfg, v: Some(v) }));
         }
     }
     Ok(None)
@@ -438,16 +443,16 @@ fn backward_plan(
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(super::RowPlan, Option<u64>)>> {
+) -> Result<Option<(RowPlan<String>, Option<u64>)>> {
     let stem = format!("{}_bwd", kind.stem());
     // The cluster kernel's launch and its partial rows of dw, db: one per cluster.
-    let cluster = || -> Result<Option<(super::RowPlan, Option<u64>)>> {
+    let cluster = || -> Result<Option<(RowPlan<String>, Option<u64>)>> {
         Ok(cluster_plan(dev, &stem, dt, rows, cols, want_params)?.map(|(c, p)| {
             let chunks = (p.cfg.grid.0 / c) as u64;
             (p, Some(chunks))
         }))
     };
-    let Some(mut p) = row_plan(dev, &stem, dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
+    let Some(mut p) = row_plan(dev, &Stem(&stem, dt), dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
         return Ok(None);
     };
     // The register-resident kernel keeps each group's column sums in shared memory.
@@ -479,8 +484,8 @@ fn backward_plan(
     if p.v.is_some() {
         let kernel = format!("{stem}_stream_{}", dt.suffix());
         let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-        let g = launch::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(&kernel)? / 32 * 32);
-        p = super::RowPlan { kernel, cfg: launch::rows(rows, g).expect("rows > 0"), v: None };
+        let g = rows::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(&kernel)? / 32 * 32);
+        p = RowPlan { kernel, cfg: rows::grid(rows, g).expect("rows > 0"), v: None };
     }
     Ok(Some((p, None)))
 }
@@ -498,8 +503,15 @@ pub fn norm_kernels(
     params: bool,
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
-    let fwd =
-        fwd_row_plan(dev, &format!("{}_fwd", kind.stem()), dt, rows, cols, fwd_vectors(dt, cols), kind.fwd_spread(dt))?;
+    let fwd = fwd_row_plan(
+        dev,
+        &Stem(&format!("{}_fwd", kind.stem()), dt),
+        dt,
+        rows,
+        cols,
+        fwd_vectors(dt, cols),
+        kind.fwd_spread(dt),
+    )?;
     let one = if params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
     let bwd = match one {
         Some(p) => Some(p.kernel),
@@ -527,10 +539,12 @@ fn cluster_plan(
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(u32, super::RowPlan)>> {
+) -> Result<Option<(u32, RowPlan<String>)>> {
     let v = CLUSTER_VECTORS;
     let sums = |run_cols: u64| if want_params { 2 * padded(run_cols) as u64 * 4 } else { 0 };
-    let Some(cs) = super::cluster_kernel(dev, stem, dt, cols, v, &CLUSTERS, 1024, sums)? else { return Ok(None) };
+    let Some(cs) = rows::cluster_kernel(dev, &Stem(stem, dt), dt, cols, v, &CLUSTERS, 1024, sums)? else {
+        return Ok(None);
+    };
     if rows == 0 {
         return Ok(None);
     }
@@ -544,14 +558,14 @@ fn cluster_plan(
         block: (cs.threads, 1, 1),
         shared_bytes: cs.shared_bytes,
     };
-    Ok(Some((cs.blocks, super::RowPlan { kernel: cs.kernel, cfg, v: Some(v as usize) })))
+    Ok(Some((cs.blocks, RowPlan { kernel: cs.kernel, cfg, v: Some(v as usize) })))
 }
 
 fn shapes_f32(op: &'static str, t: &Tensor, shape: &[usize]) -> Result<()> {
     if t.dtype() != DType::F32 {
         return Err(Error::DTypeMismatch { op, expected: DType::F32, got: t.dtype() });
     }
-    super::shapes_match(op, shape, t.shape(), "norm statistics must have one entry per row")
+    super::check::shapes_match(op, shape, t.shape(), "norm statistics must have one entry per row")
 }
 
 /// Layer norm over the last dimension, as `F.layer_norm(x, (cols,), weight, bias, eps)`

@@ -6,12 +6,11 @@
 //! bf16; the moments are always f32 (PyTorch keeps them in the parameters' dtype: the device
 //! file says why f32 is the better choice for f16/bf16 training).
 
-use super::{check_same_device, check_same_dtype, check_same_shape, with_elem};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
-use kernels_gpu::kernel::Params;
-use kernels_gpu::optim::{AdamWArgs, AdamWScalars, adamw_kernel, unroll};
+use kernels_gpu::optim::{AdamWArgs, AdamWElem, AdamWScalars, unroll};
 use kernels_gpu::{DType, Elem};
 
 /// AdamW's hyper-parameters, as `torch.optim.AdamW(lr, betas=(beta1, beta2), eps,
@@ -130,7 +129,7 @@ pub fn adamw_step(
     check_moment(op, param, v, "v (the second moment) must have the parameter's shape")?;
     // A handle of its own: `param` is borrowed mutably for the launch.
     let (dev, dt, n) = (param.device().clone(), param.dtype(), param.numel() as u64);
-    let kernel = adamw_kernel(dt);
+    let kernel = with_elem!(dt, |T| T::ADAMW.name());
     let vec = with_elem!(dt, |T| T::VEC as u64);
     let Some(cfg) = launch::elementwise(n, vec, unroll(dt) as u64, dev.sm_count(), dev.blocks_per_sm_256(kernel)?)
     else {
@@ -154,7 +153,7 @@ pub fn adamw_step(
         // SAFETY: param and grad hold n elements of T, m and v n floats, all on this device
         // (checked above); the four are distinct allocations (`&mut` borrows of param, m and v
         // exclude aliasing), which the kernel's `.nc` loads of grad rely on.
-        unsafe { dev.launch(kernel, cfg, args) }
+        unsafe { dev.launch(T::ADAMW, cfg, args) }
     })
 }
 
@@ -205,14 +204,6 @@ impl AdamWState {
     pub fn v(&self) -> &Tensor {
         &self.v
     }
-}
-
-/// Every kernel this module launches, with the parameter count of its signature.
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    DType::ALL
-        .iter()
-        .map(|&dt| (adamw_kernel(dt).to_string(), with_elem!(dt, |T| <AdamWArgs<T> as Params>::ARITY)))
-        .collect()
 }
 
 #[cfg(test)]
@@ -277,8 +268,8 @@ mod tests {
 
     #[test]
     fn kernels_are_listed_for_every_dtype() {
-        let k = launched_kernels();
+        let k: Vec<_> = kernels_gpu::optim::all_kernels().collect();
         assert_eq!(k.len(), 3);
-        assert!(k.iter().all(|(n, a)| n.starts_with("adamw_step_") && *a == 12));
+        assert!(k.iter().all(|k| k.name.starts_with("adamw_step_") && k.arity == 12));
     }
 }

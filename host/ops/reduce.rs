@@ -9,11 +9,11 @@
 //! the kernels combine in a fixed order without atomics, so the same input gives the same bits
 //! on every run.
 
-use super::{check_same_device, check_same_dtype, rows_cols, shapes_match, with_elem};
+use super::check::{check_same_device, check_same_dtype, rows_cols, shapes_match, with_elem};
 use crate::DType;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
-use crate::launch;
+use crate::rows;
 use crate::tensor::{IndexTensor, Tensor};
 use kernels_gpu::kernel::Params;
 use kernels_gpu::norm::{COLSUM_LANES, NormColsumArgs};
@@ -110,7 +110,7 @@ pub(crate) fn reduce_plan(
 /// Short rows get a group of at most 32 threads (several rows per block), long rows up to the
 /// kernel's block limit.
 pub(crate) fn reduce_row_group(cols: u64, vec: u64, max_threads: u32) -> u32 {
-    let g = launch::group_size(cols.div_ceil(vec), REDUCE_ROW_VECTORS);
+    let g = rows::group_size(cols.div_ceil(vec), REDUCE_ROW_VECTORS);
     if g <= 32 { g } else { g.min(block_limit(max_threads)) }
 }
 
@@ -391,7 +391,7 @@ pub fn reduce_last_dim(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         _ => {
             let k = kernels(op, dt)[2];
             let g = reduce_row_group(cols, vec_width(dt), dev.max_threads(k)?);
-            let cfg = launch::rows(rows, g).expect("rows > 0");
+            let cfg = rows::grid(rows, g).expect("rows > 0");
             let s = scale(op, cols);
             with_elem!(dt, |T| {
                 let args: ReduceRowsArgs<T> = (x.dev_ptr(), op_ptr as *mut T, rows, cols, s);
@@ -420,7 +420,7 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
         _ => {
             let k = argmax_kernels(dt)[2];
             let g = reduce_row_group(cols, vec_width(dt), dev.max_threads(k)?);
-            let cfg = launch::rows(rows, g).expect("rows > 0");
+            let cfg = rows::grid(rows, g).expect("rows > 0");
             with_elem!(dt, |T| {
                 let args: ArgmaxRowsArgs<T> = (x.dev_ptr(), op_ptr as *mut i64, rows, cols);
                 // SAFETY: x holds rows * cols elements of T, out rows indices.

@@ -1,28 +1,30 @@
 //! Softmax and log-softmax along the last dimension (host side of
 //! `kernels-gpu/src/softmax.rs`), forward and backward.
 
-use super::{
-    ROW_CLUSTERS, RowPlan, check_same_device, check_same_dtype, check_same_shape, cluster_row_plan, eight_vectors_fwd,
-    fwd_row_plan, row_plan, rows_cols, with_elem,
-};
+use super::check::{check_same_device, check_same_dtype, check_same_shape, rows_cols, with_elem};
 use crate::error::Result;
-use crate::launch::Spread;
+use crate::rows::{RowPlan, Spread, cluster_row_plan, eight_vectors_fwd, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
-use kernels_gpu::kernel::Params;
-use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxFwdArgs};
+use kernels_gpu::kernel::Kernel;
+use kernels_gpu::softmax::{SoftmaxBwdArgs, SoftmaxElem, SoftmaxFwdArgs, SoftmaxOp};
 
-/// Vectors per thread of the register-resident forward instances for rows of `cols` (see the
-/// kernel file for why f32 log-softmax's forward has no eight, and [`eight_vectors_fwd`]);
-/// `u64::MAX` gives every instance.
-fn fwd_vectors(log: bool, dt: DType, cols: u64) -> &'static [usize] {
-    let eight = eight_vectors_fwd(dt, cols) && !(log && dt == DType::F32);
-    if eight { &[1, 2, 4, 8] } else { &[1, 2, 4] }
+/// The register-resident forward instances a launch over rows of `cols` may take: the op's
+/// (f32 log-softmax's forward has no eight, see the kernel file), eight only where
+/// [`eight_vectors_fwd`] says.
+fn fwd_vectors<T>(op: &SoftmaxOp<T>, dt: DType, cols: u64) -> Vec<usize> {
+    op.fwd.reg_vectors().filter(|&v| v < 8 || eight_vectors_fwd(dt, cols)).collect()
 }
-const BWD_VECTORS: &[usize] = &[1, 2, 4];
 
-fn stem(log: bool, dir: &str) -> String {
-    format!("{}_{dir}", if log { "log_softmax" } else { "softmax" })
+/// The forward's kernel and launch.
+fn forward_plan<T: SoftmaxElem>(
+    dev: &crate::Device,
+    log: bool,
+    rows: u64,
+    cols: u64,
+) -> Result<Option<RowPlan<Kernel<SoftmaxFwdArgs<T>>>>> {
+    let op = T::SOFTMAX.op(log);
+    fwd_row_plan(dev, &op.fwd, T::DTYPE, rows, cols, &fwd_vectors(op, T::DTYPE, cols), Spread::Two)
 }
 
 fn forward(op: &'static str, x: &Tensor, log: bool) -> Result<Tensor> {
@@ -36,16 +38,12 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
     check_same_dtype(op, x, y)?;
     check_same_shape(op, x, y, "the output must have the input's shape")?;
     let (rows, cols) = rows_cols(op, x)?;
-    let dt = x.dtype();
-    let Some(p) = fwd_row_plan(x.device(), &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Two)?
-    else {
-        return Ok(());
-    };
-    with_elem!(dt, |T| {
+    with_elem!(x.dtype(), |T| {
+        let Some(p) = forward_plan::<T>(x.device(), log, rows, cols)? else { return Ok(()) };
         let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut()?, rows, cols);
         // SAFETY: x and y hold rows * cols elements of T on this device (checked above); the
         // plan picked a register-resident kernel only for whole-vector rows.
-        unsafe { x.device().launch(&p.kernel, p.cfg, args) }
+        unsafe { x.device().launch(p.kernel, p.cfg, args) }
     })
 }
 
@@ -63,34 +61,44 @@ fn backward_out(op: &'static str, y: &Tensor, grad: &Tensor, log: bool, gx: &mut
     check_same_dtype(op, y, gx)?;
     check_same_shape(op, y, gx, "the input's gradient must have the output's shape")?;
     let (rows, cols) = rows_cols(op, y)?;
-    let Some(p) = backward_plan(y.device(), log, y.dtype(), rows, cols)? else { return Ok(()) };
     with_elem!(y.dtype(), |T| {
+        let Some(p) = backward_plan::<T>(y.device(), log, rows, cols)? else { return Ok(()) };
         let args: SoftmaxBwdArgs<T> = (y.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, rows, cols);
         // SAFETY: all three hold rows * cols elements of T; gx is borrowed mutably, so it
         // aliases neither input.
-        unsafe { y.device().launch(&p.kernel, p.cfg, args) }
+        unsafe { y.device().launch(p.kernel, p.cfg, args) }
     })
 }
 
 /// The backward's kernel and launch: one group per row where the row fits a block's registers
 /// (as many threads a row as it takes at the fewest vectors a thread: `Spread::Fewest`), else
 /// (sm_90, rows of whole vectors) a cluster of blocks per row, else streaming.
-fn backward_plan(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan>> {
-    let stem = stem(log, "bwd");
-    let Some(p) = row_plan(dev, &stem, dt, rows, cols, BWD_VECTORS, Spread::Fewest)? else { return Ok(None) };
+fn backward_plan<T: SoftmaxElem>(
+    dev: &crate::Device,
+    log: bool,
+    rows: u64,
+    cols: u64,
+) -> Result<Option<RowPlan<Kernel<SoftmaxBwdArgs<T>>>>> {
+    let bwd = &T::SOFTMAX.op(log).bwd;
+    let avail: Vec<usize> = bwd.reg_vectors().collect();
+    let Some(p) = row_plan(dev, bwd, T::DTYPE, rows, cols, &avail, Spread::Fewest)? else { return Ok(None) };
     if p.v.is_some() {
         return Ok(Some(p));
     }
-    Ok(Some(cluster_row_plan(dev, &stem, dt, rows, cols, 1024)?.unwrap_or(p)))
+    let clusters: Vec<u32> = bwd.cluster_sizes(4).collect();
+    Ok(Some(cluster_row_plan(dev, bwd, T::DTYPE, rows, cols, &clusters, 1024)?.unwrap_or(p)))
 }
 
 /// The kernels that the forward and the backward of softmax (or `log`-softmax) run on `dev`
 /// for rows x cols of `dt` (for tests: which path a shape takes).
 #[doc(hidden)]
 pub fn softmax_kernels(dev: &crate::Device, log: bool, dt: DType, rows: u64, cols: u64) -> Result<[String; 2]> {
-    let fwd = fwd_row_plan(dev, &stem(log, "fwd"), dt, rows, cols, fwd_vectors(log, dt, cols), Spread::Two)?;
-    let bwd = backward_plan(dev, log, dt, rows, cols)?;
-    Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.map(|p| p.kernel).unwrap_or_default()])
+    with_elem!(dt, |T| {
+        let fwd = forward_plan::<T>(dev, log, rows, cols)?;
+        let bwd = backward_plan::<T>(dev, log, rows, cols)?;
+        let name = |k: Option<&str>| k.unwrap_or_default().to_string();
+        Ok([name(fwd.map(|p| p.kernel.name())), name(bwd.map(|p| p.kernel.name()))])
+    })
 }
 
 /// `softmax(x)` along the last dimension, as `torch.softmax(x, -1)`: numerically stable for
@@ -134,27 +142,6 @@ pub fn softmax_backward_out(y: &Tensor, grad: &Tensor, gx: &mut Tensor) -> Resul
 /// [`log_softmax_backward`] into `gx` (the shape and dtype of `y`).
 pub fn log_softmax_backward_out(y: &Tensor, grad: &Tensor, gx: &mut Tensor) -> Result<()> {
     backward_out("log_softmax_backward", y, grad, true, gx)
-}
-
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    let mut v = Vec::new();
-    for dt in DType::ALL {
-        let (f, b) = with_elem!(dt, |T| (<SoftmaxFwdArgs<T> as Params>::ARITY, <SoftmaxBwdArgs<T> as Params>::ARITY));
-        for log in [false, true] {
-            for &n in fwd_vectors(log, dt, u64::MAX) {
-                v.push((format!("{}_v{n}_{}", stem(log, "fwd"), dt.suffix()), f));
-            }
-            for &n in BWD_VECTORS {
-                v.push((format!("{}_v{n}_{}", stem(log, "bwd"), dt.suffix()), b));
-            }
-            for c in ROW_CLUSTERS {
-                v.push((format!("{}_c{c}_v4_{}", stem(log, "bwd"), dt.suffix()), b));
-            }
-            v.push((format!("{}_stream_{}", stem(log, "fwd"), dt.suffix()), f));
-            v.push((format!("{}_stream_{}", stem(log, "bwd"), dt.suffix()), b));
-        }
-    }
-    v
 }
 
 impl Tensor {

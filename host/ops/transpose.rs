@@ -2,13 +2,12 @@
 //! `kernels-gpu/src/transpose.rs`): `[.., rows, cols]` becomes `[.., cols, rows]`, batched over
 //! the leading dimensions. Exact: the kernels move bits.
 
-use super::{check_same_device, check_same_dtype, shapes_match, with_elem};
+use super::check::{check_same_device, check_same_dtype, shapes_match, with_elem};
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
-use kernels_gpu::kernel::Params;
-use kernels_gpu::transpose::{TransposeArgs, block, smem_bytes, tile, tiling, transpose_kernel};
+use kernels_gpu::transpose::{TransposeArgs, TransposeElem, block, smem_bytes, tile, tiling};
 
 /// The largest `grid.x` and `grid.y` of a launch; the kernel loops over the tiles beyond.
 const MAX_GRID_X: u64 = i32::MAX as u64;
@@ -54,14 +53,13 @@ pub(crate) fn geometry(dt: DType, batch: u64, rows: u64, cols: u64, sm_count: u3
 fn launch(x: &Tensor, out: &mut Tensor, (batch, rows, cols): (u64, u64, u64)) -> Result<()> {
     let dt = x.dtype();
     let Some(cfg) = geometry(dt, batch, rows, cols, x.device().sm_count()) else { return Ok(()) };
-    let kernel = transpose_kernel(dt);
     with_elem!(dt, |T| {
         let args: TransposeArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, batch, rows, cols);
         // SAFETY: x and out hold batch * rows * cols elements of T on this device (the callers
         // checked shapes, dtypes and devices), each a whole allocation, so 16-byte aligned; out
         // is borrowed mutably while x is borrowed, so they do not overlap; the geometry is the
         // one the kernel expects for these sizes.
-        unsafe { x.device().launch(kernel, cfg, args) }
+        unsafe { x.device().launch(T::TRANSPOSE, cfg, args) }
     })
 }
 
@@ -85,17 +83,6 @@ pub fn transpose_out(x: &Tensor, out: &mut Tensor) -> Result<()> {
     check_same_dtype(op, x, out)?;
     shapes_match(op, &shape, out.shape(), "out must have the input's shape with the last two dimensions swapped")?;
     launch(x, out, dims)
-}
-
-/// Every kernel this module launches, with the parameter count of its signature.
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    DType::ALL
-        .into_iter()
-        .map(|dt| {
-            let n = with_elem!(dt, |T| <TransposeArgs<T> as Params>::ARITY);
-            (transpose_kernel(dt).to_string(), n)
-        })
-        .collect()
 }
 
 impl Tensor {
@@ -260,8 +247,8 @@ mod tests {
 
     #[test]
     fn kernels_listed() {
-        let k = launched_kernels();
+        let k: Vec<_> = kernels_gpu::transpose::all_kernels().collect();
         assert_eq!(k.len(), 3);
-        assert!(k.iter().all(|(n, a)| n.starts_with("transpose_") && *a == 5));
+        assert!(k.iter().all(|k| k.name.starts_with("transpose_") && k.arity == 5));
     }
 }

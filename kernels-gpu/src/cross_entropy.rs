@@ -16,6 +16,8 @@
 //! A target outside `[0, C)` that is not `ignore_index` gives a NaN loss and records its row in
 //! `bad` (`row + 1`; any one such row when there are several), which the host checks.
 
+use crate::kernel::{Kernel, KernelEntry, Params};
+
 /// `(logits, target, loss, loss_out, lse, bad, rows, cols, ignore_index, smoothing)`: per-row
 /// `loss` (f32) and `lse` (f32), and `loss_out` (the logits' dtype; null unless the reduction is
 /// `none`); `bad` a single u64.
@@ -276,7 +278,50 @@ macro_rules! ce_kernels {
             $crate::kernel!([<cross_entropy_reduce_ $sfx>]: CrossEntropyReduceArgs<$T> =
                 |loss, target, out, count, rows, ignore, mode|
                 reduce::<$T>(loss, target, out, count, rows, ignore, mode));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl CrossEntropyElem for $T {
+                const CROSS_ENTROPY: CrossEntropyKernels<$T> = CrossEntropyKernels {
+                    fwd: [<cross_entropy_fwd_ $sfx>],
+                    bwd: [<cross_entropy_bwd_ $sfx>],
+                    reduce: [<cross_entropy_reduce_ $sfx>],
+                };
+            }
         }
     };
 }
 crate::for_each_elem!(ce_kernels);
+
+/// The family's kernels of one storage type `T`, typed.
+pub struct CrossEntropyKernels<T: 'static> {
+    /// `cross_entropy_fwd_<dt>`.
+    pub fwd: Kernel<CrossEntropyFwdArgs<T>>,
+    /// `cross_entropy_bwd_<dt>`.
+    pub bwd: Kernel<CrossEntropyBwdArgs<T>>,
+    /// `cross_entropy_reduce_<dt>`.
+    pub reduce: Kernel<CrossEntropyReduceArgs<T>>,
+}
+
+impl<T: 'static> CrossEntropyKernels<T>
+where
+    CrossEntropyFwdArgs<T>: Params,
+    CrossEntropyBwdArgs<T>: Params,
+    CrossEntropyReduceArgs<T>: Params,
+{
+    /// Every kernel's name and arity.
+    pub fn entries(&self) -> [KernelEntry; 3] {
+        [self.fwd.entry(), self.bwd.entry(), self.reduce.entry()]
+    }
+}
+
+/// A storage type's cross-entropy kernels.
+pub trait CrossEntropyElem: crate::Elem {
+    /// The kernels of `Self`.
+    const CROSS_ENTROPY: CrossEntropyKernels<Self>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    use crate::dtype::{BF16, F16};
+    [f32::CROSS_ENTROPY.entries(), F16::CROSS_ENTROPY.entries(), BF16::CROSS_ENTROPY.entries()].into_iter().flatten()
+}

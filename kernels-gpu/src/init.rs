@@ -10,17 +10,17 @@ pub type FillArgs<T> = (*mut T, u64, f32);
 /// `(y, n, seed_lo, seed_hi, p, q)`: uniform on `[p, q)` or normal with mean `p`, std `q`.
 pub type RandomArgs<T> = (*mut T, u64, u32, u32, f32, f32);
 
-/// Name of the `fill` kernel for `dt`.
-pub const fn fill_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("fill", dt)
+/// The family's kernels of one storage type `T`, typed: `fill_<dt>`, `uniform_<dt>`, `normal_<dt>`.
+#[allow(missing_docs)]
+pub struct InitKernels<T: 'static> {
+    pub fill: crate::kernel::Kernel<FillArgs<T>>,
+    pub uniform: crate::kernel::Kernel<RandomArgs<T>>,
+    pub normal: crate::kernel::Kernel<RandomArgs<T>>,
 }
-/// Name of the uniform kernel for `dt`.
-pub const fn uniform_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("uniform", dt)
-}
-/// Name of the normal kernel for `dt`.
-pub const fn normal_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("normal", dt)
+/// A storage type's init kernels (set by the declaration below).
+pub trait InitElem: crate::Elem {
+    /// The kernels of `Self`.
+    const INIT: InitKernels<Self>;
 }
 
 const PHILOX_M0: u32 = 0xD251_1F53;
@@ -153,7 +153,26 @@ macro_rules! init_kernels {
                 uniform::<$T>(y, n, s0, s1, lo, hi));
             $crate::kernel!([<normal_ $sfx>]: RandomArgs<$T> = |y, n, s0, s1, m, s|
                 normal::<$T>(y, n, s0, s1, m, s));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl InitElem for $T {
+                const INIT: InitKernels<$T> =
+                    InitKernels { fill: [<fill_ $sfx>], uniform: [<uniform_ $sfx>], normal: [<normal_ $sfx>] };
+            }
         }
     };
 }
 crate::for_each_elem!(init_kernels);
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    use crate::dtype::{BF16, F16};
+    fn entries<T: InitElem>() -> [crate::kernel::KernelEntry; 3]
+    where
+        FillArgs<T>: crate::kernel::Params,
+        RandomArgs<T>: crate::kernel::Params,
+    {
+        [T::INIT.fill.entry(), T::INIT.uniform.entry(), T::INIT.normal.entry()]
+    }
+    [entries::<f32>(), entries::<F16>(), entries::<BF16>()].into_iter().flatten()
+}

@@ -9,6 +9,10 @@
 //!
 //! Pointer parameters on the host are device addresses cast to `*const T` / `*mut T`; they are
 //! never dereferenced there.
+//!
+//! The host names a kernel by a [`Kernel<A>`] handle, its name typed by its parameter tuple `A`,
+//! which `kernel!` gives the host for every kernel it declares: a launch takes the handle and a
+//! value of `A`, so passing a kernel arguments of another signature does not compile.
 
 /// The element-wise projection of a parameter tuple: `P0` is the first parameter's type, etc.
 pub trait Params {
@@ -69,6 +73,84 @@ impl Param for i32 {}
 impl Param for i64 {}
 impl Param for f32 {}
 
+/// A kernel of the PTX: its entry name, typed by its parameter tuple `A`. Declared for the host
+/// by [`kernel!`](macro@crate::kernel) beside the device function, or gathered in a family's
+/// table of instances (e.g. [`crate::rows::RowKernels`]).
+///
+/// A launch takes the handle and a value of its tuple:
+/// ```
+/// use kernels_gpu::kernel::{Kernel, KernelArgs};
+/// use kernels_gpu::softmax::{SOFTMAX_F32, SoftmaxFwdArgs};
+/// fn launch<A: KernelArgs>(_: Kernel<A>, _: A) {}
+/// let fwd = SOFTMAX_F32.softmax.fwd.reg(1).unwrap();
+/// let args: SoftmaxFwdArgs<f32> = (core::ptr::null(), core::ptr::null_mut(), 1, 1);
+/// launch(fwd, args);
+/// ```
+/// and one with the arguments of another signature does not compile:
+/// ```compile_fail,E0308
+/// use kernels_gpu::kernel::{Kernel, KernelArgs};
+/// use kernels_gpu::softmax::{SOFTMAX_F32, SoftmaxBwdArgs};
+/// fn launch<A: KernelArgs>(_: Kernel<A>, _: A) {}
+/// let fwd = SOFTMAX_F32.softmax.fwd.reg(1).unwrap();
+/// let args: SoftmaxBwdArgs<f32> = (core::ptr::null(), core::ptr::null(), core::ptr::null_mut(), 1, 1);
+/// launch(fwd, args);
+/// ```
+pub struct Kernel<A> {
+    name: &'static str,
+    args: core::marker::PhantomData<fn(A)>,
+}
+
+impl<A> Clone for Kernel<A> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<A> Copy for Kernel<A> {}
+
+impl<A> core::fmt::Debug for Kernel<A> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "Kernel({})", self.name)
+    }
+}
+
+impl<A> PartialEq for Kernel<A> {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+impl<A> Eq for Kernel<A> {}
+
+impl<A: Params> Kernel<A> {
+    /// The handle of the entry `name`, whose parameters the caller asserts are `A`. The
+    /// declarations (`kernel!`, the family tables) use it; the test of the PTX against the host's
+    /// kernels checks the arity of every handle they list.
+    pub const fn by_name(name: &'static str) -> Self {
+        Kernel { name, args: core::marker::PhantomData }
+    }
+    /// The entry's name in the PTX.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+    /// Its number of parameters.
+    pub const fn arity(&self) -> usize {
+        A::ARITY
+    }
+    /// The name and arity, for lists of every kernel.
+    pub const fn entry(&self) -> KernelEntry {
+        KernelEntry { name: self.name, arity: A::ARITY }
+    }
+}
+
+/// A kernel's name and number of parameters, untyped: what a family lists of its kernels, for the
+/// test against the PTX's entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelEntry {
+    /// The entry's name.
+    pub name: &'static str,
+    /// Its number of parameters.
+    pub arity: usize,
+}
+
 /// The most parameters a kernel takes.
 pub const MAX_PARAMS: usize = 16;
 
@@ -124,7 +206,7 @@ impl_params!(16; A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7, I 8, J 9, K 10, L 11, M
 /// kernel!(relu_fwd_f32: UnaryArgs<f32> = |x, y, n, a, b| unary_fwd::<f32, Relu>(x, y, n, a, b));
 /// ```
 /// On nvptx64 this is `#[no_mangle] pub unsafe extern "ptx-kernel" fn relu_fwd_f32(x: P0, ...)`;
-/// on the host it expands to nothing (the host refers to kernels by name and by `$args`).
+/// on the host, `pub const relu_fwd_f32: Kernel<UnaryArgs<f32>>`, the kernel's typed handle.
 /// Naming fewer or more parameters than the tuple has is a compile error.
 #[macro_export]
 macro_rules! kernel {
@@ -142,6 +224,10 @@ macro_rules! kernel {
             [$($done)* $p: <$args as $crate::kernel::Params>::$P,]; [$($pr)*]; [$($Pr)*]);
     };
     (@zip $name:ident; $args:ty; $body:expr; [$($done:tt)*]; []; [$($Pr:ident)*]) => {
+        #[cfg(not(target_arch = "nvptx64"))]
+        #[doc = concat!("The kernel `", stringify!($name), "`.")]
+        #[allow(non_upper_case_globals)]
+        pub const $name: $crate::kernel::Kernel<$args> = $crate::kernel::Kernel::by_name(stringify!($name));
         #[cfg(target_arch = "nvptx64")]
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name($($done)*) {

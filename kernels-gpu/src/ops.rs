@@ -79,7 +79,7 @@ pub trait UnaryFn {
     ///
     /// [`unary_table`]: crate::unary_table
     #[inline(always)]
-    fn from_output(_p: [f32; 2]) -> bool {
+    fn bwd_reads_y(_p: [f32; 2]) -> bool {
         true
     }
 }
@@ -437,7 +437,7 @@ impl UnaryFn for LeakyRelu {
     fn bwd(x: f32, g: f32, a: f32, _: f32) -> f32 {
         if x > 0.0 { g } else { g * a }
     }
-    fn from_output(p: [f32; 2]) -> bool {
+    fn bwd_reads_y(p: [f32; 2]) -> bool {
         p[0] >= 0.0 || p[0].is_nan()
     }
 }
@@ -910,7 +910,7 @@ impl OutputGradFn for Tanh {
 /// - `y`: how the gradient follows from the output `y = f(x)` (PyTorch's autograd keeps `y`
 ///   for these): `y` by a kernel of its own ([`OutputGradFn`]), `yx` by the backward from `x`
 ///   read at `y` (a constant derivative, or one that depends on the sign alone, which the op
-///   keeps; see [`UnaryFn::from_output`]), `y1` the derivative is 1 (the gradient passes), `-`
+///   keeps; see [`UnaryFn::bwd_reads_y`]), `y1` the derivative is 1 (the gradient passes), `-`
 ///   not at all;
 /// - `domain`: `normal` or `positive`, the inputs the tests and benches draw;
 /// - `torch`: PyTorch's version, a Python callable of `(x, *params)` (with `torch` and
@@ -1121,9 +1121,9 @@ macro_rules! unary_chunk {
             pub fn check(self, p: [f32; 2]) -> Result<(), &'static str> {
                 match self { $(Unary::$O => <$O as UnaryFn>::check(p)),* }
             }
-            /// [`UnaryFn::from_output`] of the op.
-            pub fn from_output(self, p: [f32; 2]) -> bool {
-                match self { $(Unary::$O => <$O as UnaryFn>::from_output(p)),* }
+            /// [`UnaryFn::bwd_reads_y`] of the op.
+            pub fn bwd_reads_y(self, p: [f32; 2]) -> bool {
+                match self { $(Unary::$O => <$O as UnaryFn>::bwd_reads_y(p)),* }
             }
             /// Vectors a thread of the op's kernels above the small launches in `form`, for `dt`
             /// ([`UnaryFn::CHUNK`]): the host sizes their grid with it.

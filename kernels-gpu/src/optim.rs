@@ -34,15 +34,14 @@
 //! aligned in every one of them, so every whole vector is loaded with one instruction. `p`, `m`
 //! and `v` are updated in place and so read through the coherent path; `g` through `.nc`.
 
+use crate::kernel::Kernel;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::kernel::KernelEntry;
+
 /// `(p, g, m, v, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, eps)`:
 /// one AdamW step over `n` elements, in place on `p` (dtype `T`), `m` and `v` (f32); `g` (`T`) is
 /// only read. The scalars are those of [`AdamWScalars`], in its field order.
 pub type AdamWArgs<T> = (*mut T, *const T, *mut f32, *mut f32, u64, f32, f32, f32, f32, f32, f32, f32);
-
-/// Name of the AdamW kernel for parameters of `dt`.
-pub const fn adamw_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("adamw_step", dt)
-}
 
 /// Parameter vectors each thread loads per round of its grid-stride loop (the host sizes the
 /// grid with it). A parameter vector comes with its gradient and `VEC / 4` vectors of each
@@ -198,7 +197,24 @@ macro_rules! optim_kernels {
             $crate::kernel!([<adamw_step_ $sfx>]: AdamWArgs<$T> =
                 |p, g, m, v, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, eps|
                 adamw_step::<$T>(p, g, m, v, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, eps));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl AdamWElem for $T {
+                const ADAMW: Kernel<AdamWArgs<$T>> = [<adamw_step_ $sfx>];
+            }
         }
     };
 }
 crate::for_each_elem!(optim_kernels);
+
+/// A storage type's AdamW kernel, typed.
+pub trait AdamWElem: crate::Elem {
+    /// `adamw_step_<dt>` for `Self`.
+    const ADAMW: Kernel<AdamWArgs<Self>>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    use crate::dtype::{BF16, F16};
+    [f32::ADAMW.entry(), F16::ADAMW.entry(), BF16::ADAMW.entry()].into_iter()
+}

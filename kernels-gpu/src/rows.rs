@@ -20,6 +20,8 @@
 //! warps' results through shared memory), so every result is bit-for-bit reproducible, and every
 //! thread of the group receives the same value.
 
+use crate::kernel::{Kernel, KernelEntry, Params};
+
 /// Most threads in a group (a block).
 pub const MAX_GROUP: u32 = 1024;
 /// Threads per block the host aims for when a group is smaller than a block.
@@ -38,6 +40,65 @@ pub const fn reduce_smem_bytes(threads: u32) -> u32 {
 /// floats' worth) and two buffers of `c` partials of up to [`REDUCE_SLOTS`] values.
 pub const fn cluster_slots(c: u32) -> u32 {
     if c > 1 { 4 + 2 * c * REDUCE_SLOTS } else { 0 }
+}
+
+/// An instance of a row kernel, as its name says: `_v<V>` (register-resident, `V` vectors a
+/// thread), `_stream`, or `_c<C>_v<V>` (a row held by a cluster of `C` blocks, sm_90 only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowVariant {
+    /// Register-resident, this many vectors a thread.
+    Reg(usize),
+    /// Streaming: any row.
+    Stream,
+    /// A row over a cluster of this many blocks, at this many vectors a thread (sm_90).
+    Cluster(u32, usize),
+}
+
+/// The instances of one row kernel for one dtype, typed by their parameter tuple `A`: the one
+/// list from which the host both picks a launch's kernel and lists the family's kernels.
+pub struct RowKernels<A: 'static> {
+    kernels: &'static [(RowVariant, Kernel<A>)],
+}
+
+impl<A: Params> RowKernels<A> {
+    /// The instances, register-resident ones in ascending vectors.
+    pub const fn new(kernels: &'static [(RowVariant, Kernel<A>)]) -> Self {
+        RowKernels { kernels }
+    }
+    /// The instance `v`, if the family has it.
+    pub fn get(&self, v: RowVariant) -> Option<Kernel<A>> {
+        self.kernels.iter().find(|(w, _)| *w == v).map(|&(_, k)| k)
+    }
+    /// The register-resident instance of `v` vectors a thread.
+    pub fn reg(&self, v: usize) -> Option<Kernel<A>> {
+        self.get(RowVariant::Reg(v))
+    }
+    /// The streaming instance.
+    pub fn stream(&self) -> Option<Kernel<A>> {
+        self.get(RowVariant::Stream)
+    }
+    /// The instance over a cluster of `c` blocks at `v` vectors a thread.
+    pub fn cluster(&self, c: u32, v: usize) -> Option<Kernel<A>> {
+        self.get(RowVariant::Cluster(c, v))
+    }
+    /// The vectors a thread of the register-resident instances, ascending.
+    pub fn reg_vectors(&self) -> impl Iterator<Item = usize> + '_ {
+        self.kernels.iter().filter_map(|(w, _)| match w {
+            RowVariant::Reg(v) => Some(*v),
+            _ => None,
+        })
+    }
+    /// The cluster sizes of the instances at `v` vectors a thread, ascending.
+    pub fn cluster_sizes(&self, v: usize) -> impl Iterator<Item = u32> + '_ {
+        self.kernels.iter().filter_map(move |(w, _)| match *w {
+            RowVariant::Cluster(c, w) if w == v => Some(c),
+            _ => None,
+        })
+    }
+    /// Every instance's name and arity.
+    pub fn entries(&self) -> impl Iterator<Item = KernelEntry> + '_ {
+        self.kernels.iter().map(|(_, k)| k.entry())
+    }
 }
 
 #[cfg(target_arch = "nvptx64")]

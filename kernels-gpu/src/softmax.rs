@@ -19,6 +19,11 @@
 //! IEEE cases follow PyTorch: a NaN anywhere in a row makes the row NaN (max propagates NaN);
 //! a row of all `-inf` is NaN (`exp(-inf - -inf)`); `+inf` makes the row NaN.
 
+use crate::kernel::{KernelEntry, Params};
+use crate::rows::RowKernels;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::rows::RowVariant;
+
 /// `(x, y, rows, cols)`: `y = softmax(x)` over rows of `cols` elements.
 pub type SoftmaxFwdArgs<T> = (*const T, *mut T, u64, u64);
 /// `(y, g, gx, rows, cols)`: the gradient of the input from the forward's output `y` and the
@@ -374,60 +379,119 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
-// --- the kernels: `<softmax|log_softmax>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>` ----------------
+// --- the kernels: `<softmax|log_softmax>_<fwd|bwd>_<v1|v2|v4|v8|stream|c<C>_v4>_<dtype>` -------
 
-macro_rules! softmax_kernels {
-    ($T:ty, $sfx:ident) => {
-        softmax_kernels!(@op $T, $sfx, softmax, Softmax);
-        softmax_kernels!(@op $T, $sfx, log_softmax, LogSoftmax);
-    };
-    (@op $T:ty, $sfx:ident, $op:ident, $K:ident) => {
-        softmax_kernels!(@fwd $T, $sfx, $op, $K, 1 2 4);
-        // Backward holds two rows (y and g): eight vectors of each would not fit 64 registers.
-        softmax_kernels!(@bwd $T, $sfx, $op, $K, 1 2 4);
+/// The softmax family's kernels of one storage type `T`, typed (see [`RowKernels`]).
+pub struct SoftmaxKernels<T: 'static> {
+    /// Softmax's.
+    pub softmax: SoftmaxOp<T>,
+    /// Log-softmax's.
+    pub log_softmax: SoftmaxOp<T>,
+}
+
+/// The forward and backward instances of softmax or log-softmax for one storage type.
+pub struct SoftmaxOp<T: 'static> {
+    /// `<op>_fwd_*`.
+    pub fwd: RowKernels<SoftmaxFwdArgs<T>>,
+    /// `<op>_bwd_*`.
+    pub bwd: RowKernels<SoftmaxBwdArgs<T>>,
+}
+
+impl<T: 'static> SoftmaxKernels<T> {
+    /// Log-softmax's kernels if `log`, else softmax's.
+    pub const fn op(&self, log: bool) -> &SoftmaxOp<T> {
+        if log { &self.log_softmax } else { &self.softmax }
+    }
+}
+
+impl<T: 'static> SoftmaxKernels<T>
+where
+    SoftmaxFwdArgs<T>: Params,
+    SoftmaxBwdArgs<T>: Params,
+{
+    /// Every kernel's name and arity.
+    pub fn entries(&self) -> impl Iterator<Item = KernelEntry> + '_ {
+        [&self.softmax, &self.log_softmax].into_iter().flat_map(|o| o.fwd.entries().chain(o.bwd.entries()))
+    }
+}
+
+/// A storage type's softmax kernels.
+pub trait SoftmaxElem: crate::Elem {
+    /// The table of `Self`'s instances.
+    const SOFTMAX: SoftmaxKernels<Self>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    SOFTMAX_F32.entries().chain(SOFTMAX_F16.entries()).chain(SOFTMAX_BF16.entries())
+}
+
+/// Declares, per storage type, every instance of the family from one list: the kernels (on the
+/// device), their typed handles and the type's [`SoftmaxKernels`] table (on the host).
+macro_rules! softmax_family {
+    ($($T:ty, $sfx:ident, $table:ident:
+        fwd [$($f:literal)*] log_fwd [$($lf:literal)*] bwd [$($b:literal)*] bwd_clusters [$($c:literal)*];)*) => { $(
+        softmax_family!(@op $T, $sfx, softmax, Softmax, [$($f)*], [$($b)*], [$($c)*]);
+        softmax_family!(@op $T, $sfx, log_softmax, LogSoftmax, [$($lf)*], [$($b)*], [$($c)*]);
+        #[cfg(not(target_arch = "nvptx64"))]
+        #[doc = concat!("The softmax kernels of ", stringify!($sfx), ".")]
+        pub const $table: SoftmaxKernels<$T> = SoftmaxKernels {
+            softmax: softmax_family!(@table $sfx, softmax, [$($f)*], [$($b)*], [$($c)*]),
+            log_softmax: softmax_family!(@table $sfx, log_softmax, [$($lf)*], [$($b)*], [$($c)*]),
+        };
+        #[cfg(not(target_arch = "nvptx64"))]
+        impl SoftmaxElem for $T {
+            const SOFTMAX: SoftmaxKernels<$T> = $table;
+        }
+    )* };
+    (@op $T:ty, $sfx:ident, $op:ident, $K:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*]) => {
         paste::paste! {
+            $( $crate::kernel!([<$op _fwd_v $f _ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
+                fwd_reg::<$T, $K, $f>(x, y, rows, cols)); )*
+            $( $crate::kernel!([<$op _bwd_v $b _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+                bwd_reg::<$T, $K, $b, 1>(y, g, gx, rows, cols)); )*
             $crate::kernel!([<$op _fwd_stream_ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
                 fwd_stream::<$T, $K>(x, y, rows, cols));
             $crate::kernel!([<$op _bwd_stream_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
                 bwd_stream::<$T, $K>(y, g, gx, rows, cols));
+            // Clusters of C blocks, four vectors a thread (sm_90 only; the host lists them for
+            // every target and launches them where the device's module has them).
+            $( #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
+            $crate::kernel!([<$op _bwd_c $c _v4_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+                bwd_reg::<$T, $K, 4, $c>(y, g, gx, rows, cols)); )*
         }
     };
-    (@fwd $T:ty, $sfx:ident, $op:ident, $K:ident, $($v:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _fwd_v $v _ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
-            fwd_reg::<$T, $K, $v>(x, y, rows, cols));
-    } )* };
-    (@bwd $T:ty, $sfx:ident, $op:ident, $K:ident, $($v:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _bwd_v $v _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
-            bwd_reg::<$T, $K, $v, 1>(y, g, gx, rows, cols));
-    } )* };
-    // Clusters of C blocks, four vectors a thread: `<op>_bwd_c<C>_v4_<dtype>` (sm_90).
-    (@bwdc $T:ty, $sfx:ident, $op:ident, $K:ident, $($c:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _bwd_c $c _v4_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
-            bwd_reg::<$T, $K, 4, $c>(y, g, gx, rows, cols));
-    } )* };
-}
-// Rows too long for one block's registers in the backward (over 16384 f32 or 32768 f16/bf16)
-// held by a cluster of 2, 4 or 8 blocks (sm_90; older GPUs stream them). The forward has no
-// cluster kernels: one cluster per row at four vectors a thread, tried, ran slower than one
-// block per row (f32 at 4096 x 32768; docs/worklog.md, 2026-11-25c).
-#[cfg(target_feature = "sm_90")]
-macro_rules! softmax_cluster_kernels {
-    ($T:ty, $sfx:ident) => {
-        softmax_kernels!(@bwdc $T, $sfx, softmax, Softmax, 2 4 8);
-        softmax_kernels!(@bwdc $T, $sfx, log_softmax, LogSoftmax, 2 4 8);
+    (@table $sfx:ident, $op:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*]) => {
+        paste::paste! {
+            SoftmaxOp {
+                fwd: RowKernels::new(&[
+                    $( (RowVariant::Reg($f), [<$op _fwd_v $f _ $sfx>]), )*
+                    (RowVariant::Stream, [<$op _fwd_stream_ $sfx>]),
+                ]),
+                bwd: RowKernels::new(&[
+                    $( (RowVariant::Reg($b), [<$op _bwd_v $b _ $sfx>]), )*
+                    $( (RowVariant::Cluster($c, 4), [<$op _bwd_c $c _v4_ $sfx>]), )*
+                    (RowVariant::Stream, [<$op _bwd_stream_ $sfx>]),
+                ]),
+            }
+        }
     };
 }
-#[cfg(target_feature = "sm_90")]
-crate::for_each_elem!(softmax_cluster_kernels);
-crate::for_each_elem!(softmax_kernels);
-// Eight vectors per thread: f32 softmax's rows of 16385 to 32768 in one 1024-thread block (f32
-// log-softmax spilled at 64 registers, its `log` on top of the row, so those rows stream), and
-// f16/bf16 rows of 16385 to 32768 (the host offers eight only there: shorter rows were 1-5%
-// slower with it) in up to 512 threads within 64 registers, two such blocks an SM, one row's
-// reductions and `exp` overlapping the other's loads: bf16 softmax at 4096 x 32768 ran faster
-// so than with four vectors in 1024 threads, one block an SM (docs/worklog.md, 2026-11-23c).
-softmax_kernels!(@fwd f32, f32, softmax, Softmax, 8);
-softmax_kernels!(@fwd crate::dtype::BF16, bf16, softmax, Softmax, 8);
-softmax_kernels!(@fwd crate::dtype::F16, f16, softmax, Softmax, 8);
-softmax_kernels!(@fwd crate::dtype::BF16, bf16, log_softmax, LogSoftmax, 8);
-softmax_kernels!(@fwd crate::dtype::F16, f16, log_softmax, LogSoftmax, 8);
+
+// The instances, in one place. Forward: eight vectors a thread for f32 softmax's rows of 16385
+// to 32768 in one 1024-thread block (f32 log-softmax spilled at 64 registers, its `log` on top
+// of the row, so those rows stream), and f16/bf16 rows of 16385 to 32768 (the host offers eight
+// only there: shorter rows were slower with it) in up to 512 threads within 64 registers, two
+// such blocks an SM, one row's reductions and `exp` overlapping the other's loads, which ran
+// faster than four vectors in 1024 threads, one block an SM (docs/worklog.md, 2026-11-23c).
+// Backward: it holds two rows (y and g), and eight vectors of each would not fit 64
+// registers. Rows too long for one block's registers in the backward (over 16384 f32 or 32768
+// f16/bf16) are held by a cluster of 2, 4 or 8 blocks (sm_90; older GPUs stream them). The
+// forward has no cluster kernels: one cluster per row at four vectors a thread, tried, ran
+// slower than one block per row (f32 at 4096 x 32768; docs/worklog.md, 2026-11-25c).
+softmax_family! {
+    f32, f32, SOFTMAX_F32: fwd [1 2 4 8] log_fwd [1 2 4] bwd [1 2 4] bwd_clusters [2 4 8];
+    crate::dtype::F16, f16, SOFTMAX_F16: fwd [1 2 4 8] log_fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [2 4 8];
+    crate::dtype::BF16, bf16, SOFTMAX_BF16: fwd [1 2 4 8] log_fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [2 4 8];
+}

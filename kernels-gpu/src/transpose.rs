@@ -40,14 +40,14 @@
 
 use crate::DType;
 
+// Each dtype's typed handle (`TransposeElem`), and its entry for the host's list of kernels.
+use crate::kernel::Kernel;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::kernel::KernelEntry;
+
 /// `(x, y, batch, rows, cols)`: `y[b, c, r] = x[b, r, c]`, both contiguous, `batch * rows *
 /// cols` elements each, 16-byte aligned (whole allocations), not overlapping.
 pub type TransposeArgs<T> = (*const T, *mut T, u64, u64, u64);
-
-/// Name of the transpose kernel for `dt`.
-pub const fn transpose_kernel(dt: DType) -> &'static str {
-    crate::kernel_name!("transpose", dt)
-}
 
 /// Elements of `dt` in one 16-byte vector.
 pub const fn vec_width(dt: DType) -> u64 {
@@ -432,7 +432,24 @@ macro_rules! transpose_kernels {
         paste::paste! {
             $crate::kernel!([<transpose_ $sfx>]: TransposeArgs<$T> = |x, y, batch, rows, cols|
                 transpose::<$T>(x, y, batch, rows, cols));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl TransposeElem for $T {
+                const TRANSPOSE: Kernel<TransposeArgs<$T>> = [<transpose_ $sfx>];
+            }
         }
     };
 }
 crate::for_each_elem!(transpose_kernels);
+
+/// A storage type's transpose kernel, typed.
+pub trait TransposeElem: crate::Elem {
+    /// `transpose_<dt>` for `Self`.
+    const TRANSPOSE: Kernel<TransposeArgs<Self>>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    use crate::dtype::{BF16, F16};
+    [f32::TRANSPOSE.entry(), F16::TRANSPOSE.entry(), BF16::TRANSPOSE.entry()].into_iter()
+}

@@ -9,6 +9,9 @@
 #![allow(dead_code)]
 
 pub mod reference;
+pub mod rows;
+
+pub use reference::Tol;
 
 use kernels::ops::{Activation, UnaryOp};
 use kernels::{DType, Device, Tensor};
@@ -208,18 +211,6 @@ pub fn ulp(dt: DType, r: f64) -> f64 {
     };
     let e = if r == 0.0 || !r.is_finite() { min_exp } else { (r.abs().log2().floor() as i32).max(min_exp) };
     2f64.powi(e - mant_bits)
-}
-
-/// Error allowed between a GPU result and the exact (f64) value `r` of the op at the given
-/// inputs: `rtol * |r| + atol` from the f32 computation (per op, written beside each op in
-/// `reference.rs`), plus one ulp of the storage type (rounding the f32 result to f16/bf16; one
-/// whole ulp because the f32 error can push a value across a rounding boundary), plus a floor of
-/// the smallest normal f32: where f64 still has a denormal result the f32 formula has
-/// underflowed to 0, as PyTorch's does.
-#[derive(Clone, Copy, Debug)]
-pub struct Tol {
-    pub rtol: f64,
-    pub atol: f64,
 }
 
 /// Checks `got` (as stored on the GPU) against the exact `want`. NaN must match NaN, an

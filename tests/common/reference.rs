@@ -3,11 +3,25 @@
 //! Each formula has PyTorch's structure (so NaN and infinities come out as PyTorch's do: e.g.
 //! `gelu'(inf)` is NaN because PyTorch computes `x * pdf(x)` = inf * 0), evaluated in f64.
 //! Tolerances are relative to U = 2^-23 (one f32 ulp at 1) and are derived from the number of
-//! f32 roundings on the GPU's path, noted beside each op; [`super::close`] adds one ulp of the
+//! f32 roundings on the GPU's path, noted beside each op; the tests' `close` adds one ulp of the
 //! storage type on top.
+//!
+//! Shared by the tests (`tests/common`), the examples and the benches (through `#[path]`), so it
+//! needs nothing from the test harness.
 
-use super::Tol;
 use kernels::ops::{Activation, BinaryOp, UnaryOp};
+
+/// Error allowed between a GPU result and the exact (f64) value `r` of the op at the given
+/// inputs: `rtol * |r| + atol` from the f32 computation (per op, written beside each op in
+/// this file), plus one ulp of the storage type (rounding the f32 result to f16/bf16; one
+/// whole ulp because the f32 error can push a value across a rounding boundary), plus a floor of
+/// the smallest normal f32: where f64 still has a denormal result the f32 formula has
+/// underflowed to 0, as PyTorch's does.
+#[derive(Clone, Copy, Debug)]
+pub struct Tol {
+    pub rtol: f64,
+    pub atol: f64,
+}
 
 pub const U: f64 = 1.0 / 8_388_608.0; // 2^-23
 
@@ -505,4 +519,46 @@ pub fn adamw(p: f64, g: f64, m: f64, v: f64, cfg: &kernels::ops::AdamW, step: u6
         1.01 * (u * p1.abs() + u * p.abs() * (d.abs() + lr * wd) + s_over_d * e_m + upd.abs() * (eps_d + 2.0 * u));
     let tol = |atol: f64| Tol { rtol: 0.0, atol: if atol.is_finite() { atol } else { 0.0 } };
     AdamWStep { p: p1, m: m1, v: v1, tol_p: tol(e_p), tol_m: tol(e_m), tol_v: tol(e_v) }
+}
+
+// --- the row operations --------------------------------------------------------------------
+
+/// Softmax (`log`: log-softmax) of one row.
+pub fn softmax_ref(x: &[f32], log: bool) -> Vec<f64> {
+    let m = x.iter().map(|&v| v as f64).fold(f64::NEG_INFINITY, f64::max);
+    let s: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+    x.iter().map(|&v| if log { v as f64 - m - s.ln() } else { (v as f64 - m).exp() / s }).collect()
+}
+
+/// The gradient of the input of one row of softmax (`log`: log-softmax), from its output `y`
+/// and the output's gradient `g`.
+pub fn softmax_bwd_ref(y: &[f32], g: &[f32], log: bool) -> Vec<f64> {
+    if log {
+        let sg: f64 = g.iter().map(|&v| v as f64).sum();
+        y.iter().zip(g).map(|(&y, &g)| g as f64 - (y as f64).exp() * sg).collect()
+    } else {
+        let dot: f64 = y.iter().zip(g).map(|(&y, &g)| y as f64 * g as f64).sum();
+        y.iter().zip(g).map(|(&y, &g)| y as f64 * (g as f64 - dot)).collect()
+    }
+}
+
+/// `(y, mean, rstd)` of one row.
+pub fn norm_ref(x: &[f64], w: Option<&[f64]>, b: Option<&[f64]>, eps: f64, layer: bool) -> (Vec<f64>, f64, f64) {
+    let n = x.len() as f64;
+    let mean = if layer { x.iter().sum::<f64>() / n } else { 0.0 };
+    let var = x.iter().map(|&v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    let rstd = 1.0 / (var + eps).sqrt();
+    let y = (0..x.len()).map(|i| (x[i] - mean) * rstd * w.map_or(1.0, |w| w[i]) + b.map_or(0.0, |b| b[i])).collect();
+    (y, mean, rstd)
+}
+
+/// Gradient of the input of one row of a norm.
+pub fn norm_bwd_ref(x: &[f64], w: Option<&[f64]>, g: &[f64], eps: f64, layer: bool) -> Vec<f64> {
+    let (_, mean, rstd) = norm_ref(x, None, None, eps, layer);
+    let n = x.len() as f64;
+    let gw: Vec<f64> = (0..x.len()).map(|i| g[i] * w.map_or(1.0, |w| w[i])).collect();
+    let xh: Vec<f64> = x.iter().map(|&v| (v - mean) * rstd).collect();
+    let a = if layer { gw.iter().sum::<f64>() / n } else { 0.0 };
+    let bsum = gw.iter().zip(&xh).map(|(g, x)| g * x).sum::<f64>() / n;
+    (0..x.len()).map(|i| rstd * (gw[i] - a - xh[i] * bsum)).collect()
 }
