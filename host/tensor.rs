@@ -204,45 +204,6 @@ impl Tensor {
         Ok(t)
     }
 
-    /// Every element `value`, rounded to `dtype`.
-    pub fn full(dev: &Device, shape: &[usize], dtype: DType, value: f32) -> Result<Tensor> {
-        let mut t = Self::alloc("Tensor::full", dev, shape, dtype)?;
-        t.fill_(value)?;
-        Ok(t)
-    }
-
-    /// Uniform random values on `[lo, hi)` (before rounding to `dtype`), generated on the device
-    /// by Philox4x32-10 from `seed`: the same seed gives the same tensor on any GPU.
-    pub fn rand_uniform(dev: &Device, shape: &[usize], dtype: DType, lo: f32, hi: f32, seed: u64) -> Result<Tensor> {
-        let op = "Tensor::rand_uniform";
-        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
-            return Err(Error::InvalidArgument { op, message: format!("need finite lo <= hi, got [{lo}, {hi})") });
-        }
-        let mut t = Self::alloc(op, dev, shape, dtype)?;
-        crate::ops::init::random(&mut t, crate::ops::init::Distribution::Uniform, seed, lo, hi)?;
-        Ok(t)
-    }
-
-    /// Normal random values with `mean` and standard deviation `std`, generated on the device
-    /// (Philox4x32-10 and Box-Muller) from `seed`.
-    pub fn rand_normal(dev: &Device, shape: &[usize], dtype: DType, mean: f32, std: f32, seed: u64) -> Result<Tensor> {
-        let op = "Tensor::rand_normal";
-        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
-            return Err(Error::InvalidArgument {
-                op,
-                message: format!("need finite mean and std >= 0, got {mean}, {std}"),
-            });
-        }
-        let mut t = Self::alloc(op, dev, shape, dtype)?;
-        crate::ops::init::random(&mut t, crate::ops::init::Distribution::Normal, seed, mean, std)?;
-        Ok(t)
-    }
-
-    /// Sets every element to `value` (rounded to the dtype).
-    pub fn fill_(&mut self, value: f32) -> Result<()> {
-        crate::ops::init::fill(self, value)
-    }
-
     /// Copies the tensor back; `T` must match the dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {
@@ -295,27 +256,6 @@ impl Tensor {
         }
         let v = self.to_vec::<T>()?;
         v.first().copied().ok_or_else(|| Error::InvalidArgument { op, message: "internal: no value read".into() })
-    }
-
-    /// The tensor converted to `dtype` on the device, as PyTorch's `.to(dtype)`: rounded to
-    /// nearest even, infinities and signed zeros kept, NaN a NaN; widening is exact. To its own
-    /// dtype it is [`clone`](Clone::clone): the memory is shared, nothing is copied.
-    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        use kernels_gpu::cast::{CastArgs, GROUP, cast_kernel};
-        let op = "Tensor::to_dtype";
-        let Some(kernel) = cast_kernel(self.dtype, dtype) else { return Ok(self.clone()) };
-        let dev = self.device();
-        let mut y = Self::alloc(op, dev, &self.shape, dtype)?;
-        let n = self.numel() as u64;
-        let Some(cfg) = crate::launch::elementwise(n, GROUP, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
-            return Ok(y);
-        };
-        crate::ops::with_elem!(self.dtype, |S| crate::ops::with_elem!(dtype, |D| {
-            let args: CastArgs<S, D> = (self.dev_ptr(), y.dev_ptr_mut()?, n);
-            // SAFETY: self holds n elements of S, y (a new allocation) n of D.
-            unsafe { dev.launch(kernel, cfg, args) }
-        }))?;
-        Ok(y)
     }
 
     /// A copy in new device memory, made now (`clone` shares the memory instead).

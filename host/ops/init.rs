@@ -1,7 +1,9 @@
 //! Filling tensors (host side of `kernels-gpu/src/init.rs`).
 
 use super::check::with_elem;
-use crate::error::Result;
+use crate::DType;
+use crate::device::Device;
+use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 use kernels_gpu::Elem;
@@ -50,4 +52,46 @@ pub(crate) fn random(t: &mut Tensor, dist: Distribution, seed: u64, p: f32, q: f
         // SAFETY: t holds n elements of T.
         unsafe { t.device().launch(random_kernel::<T>(dist), cfg, args) }
     })
+}
+
+/// The tensors these kernels make: constants and random values.
+impl Tensor {
+    /// Every element `value`, rounded to `dtype`.
+    pub fn full(dev: &Device, shape: &[usize], dtype: DType, value: f32) -> Result<Tensor> {
+        let mut t = Tensor::alloc("Tensor::full", dev, shape, dtype)?;
+        t.fill_(value)?;
+        Ok(t)
+    }
+
+    /// Uniform random values on `[lo, hi)` (before rounding to `dtype`), generated on the device
+    /// by Philox4x32-10 from `seed`: the same seed gives the same tensor on any GPU.
+    pub fn rand_uniform(dev: &Device, shape: &[usize], dtype: DType, lo: f32, hi: f32, seed: u64) -> Result<Tensor> {
+        let op = "Tensor::rand_uniform";
+        if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+            return Err(Error::InvalidArgument { op, message: format!("need finite lo <= hi, got [{lo}, {hi})") });
+        }
+        let mut t = Tensor::alloc(op, dev, shape, dtype)?;
+        random(&mut t, Distribution::Uniform, seed, lo, hi)?;
+        Ok(t)
+    }
+
+    /// Normal random values with `mean` and standard deviation `std`, generated on the device
+    /// (Philox4x32-10 and Box-Muller) from `seed`.
+    pub fn rand_normal(dev: &Device, shape: &[usize], dtype: DType, mean: f32, std: f32, seed: u64) -> Result<Tensor> {
+        let op = "Tensor::rand_normal";
+        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("need finite mean and std >= 0, got {mean}, {std}"),
+            });
+        }
+        let mut t = Tensor::alloc(op, dev, shape, dtype)?;
+        random(&mut t, Distribution::Normal, seed, mean, std)?;
+        Ok(t)
+    }
+
+    /// Sets every element to `value` (rounded to the dtype).
+    pub fn fill_(&mut self, value: f32) -> Result<()> {
+        fill(self, value)
+    }
 }

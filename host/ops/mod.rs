@@ -2,6 +2,7 @@
 //! `kernels-gpu/src/`. Every op validates devices, dtypes and shapes before it launches, and
 //! returns an error naming itself and the offending shapes otherwise.
 
+pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod gemm;
