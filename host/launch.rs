@@ -105,14 +105,16 @@ pub fn one_per_thread(n: u64) -> Option<LaunchConfig> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn any_u64() -> impl Strategy<Value = u64> {
+    /// Any u64, with the edges (0, 1, the maximum) and small values drawn often.
+    pub(crate) fn any_u64() -> impl Strategy<Value = u64> {
         prop_oneof![Just(0u64), Just(1), Just(u64::MAX), 0..1u64 << 12, any::<u64>()]
     }
-    fn any_u32() -> impl Strategy<Value = u32> {
+    /// Any u32, as [`any_u64`].
+    pub(crate) fn any_u32() -> impl Strategy<Value = u32> {
         prop_oneof![Just(0u32), Just(1), Just(u32::MAX), 0..1u32 << 12, any::<u32>()]
     }
 

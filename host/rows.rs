@@ -353,14 +353,8 @@ pub(crate) fn cluster_row_plan<S: RowSource>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::tests::{any_u32, any_u64};
     use proptest::prelude::*;
-
-    fn any_u64() -> impl Strategy<Value = u64> {
-        prop_oneof![Just(0u64), Just(1), Just(u64::MAX), 0..1u64 << 12, any::<u64>()]
-    }
-    fn any_u32() -> impl Strategy<Value = u32> {
-        prop_oneof![Just(0u32), Just(1), Just(u32::MAX), 0..1u32 << 12, any::<u32>()]
-    }
 
     proptest! {
         /// The row geometry is total: no input overflows or divides by zero (the tests build

@@ -239,26 +239,8 @@ macro_rules! unary_api {
 
         /// The op table as data, in its order ([`UnaryInfo`]).
         pub const UNARY_OPS: &[UnaryInfo] = &[
-            $(UnaryInfo {
-                name: stringify!($mstem),
-                activation: false,
-                params: &[$((stringify!($mp), $mv)),*],
-                from_output: stringify!($my),
-                positive: unary_api!(@positive $mdom),
-                torch: $mtorch,
-                module: $mmodule,
-                doc: $mdoc,
-            },)*
-            $(UnaryInfo {
-                name: stringify!($astem),
-                activation: true,
-                params: &[$((stringify!($ap), $av)),*],
-                from_output: stringify!($ay),
-                positive: unary_api!(@positive $adom),
-                torch: $atorch,
-                module: $amodule,
-                doc: $adoc,
-            },)*
+            $(unary_api!(@info $mstem false [$($mp)*] [$($mv)*] $my $mdom $mtorch $mmodule $mdoc),)*
+            $(unary_api!(@info $astem true [$($ap)*] [$($av)*] $ay $adom $atorch $amodule $adoc),)*
         ];
 
         /// Every unary op and activation as a method (`x.gelu()`, `x.leaky_relu(0.01)`,
@@ -276,6 +258,18 @@ macro_rules! unary_api {
                     unary(self, Activation::$ATy $($apat)*)
                 }
             )*
+        }
+    };
+    (@info $stem:ident $act:literal [$($p:ident)*] [$($v:expr)*] $y:tt $dom:ident $torch:literal $module:literal $doc:literal) => {
+        UnaryInfo {
+            name: stringify!($stem),
+            activation: $act,
+            params: &[$((stringify!($p), $v)),*],
+            from_output: stringify!($y),
+            positive: unary_api!(@positive $dom),
+            torch: $torch,
+            module: $module,
+            doc: $doc,
         }
     };
     (@positive positive) => { true };

@@ -725,52 +725,77 @@ unary!(Identity, |x, a, b| x, |x, g, a, b| g);
 // --- the exponential linear units and the hard and soft saturating activations --------------------
 // PyTorch's ELU family (`elu`, `selu`, `celu` are one kernel there): `x` above 0, else
 // `s a expm1(x c)`, with the derivative `g s a c exp(x c)` at and below 0 (its `x <= 0` test, so a
-// NaN takes the linear branch). expm1 keeps the relative accuracy near 0 where `exp(x) - 1` cancels.
+// NaN takes the linear branch). Both sides are computed and one selected (random signs would
+// split a warp at a branch); `expm1_elu` keeps the relative accuracy near 0 where `exp - 1`
+// cancels, and f16/bf16 storage takes its shorter polynomial and the special function unit's exp.
 #[inline(always)]
-fn elu_fwd(x: f32, scale: f32, alpha: f32, input_scale: f32) -> f32 {
-    if x <= 0.0 { math::expm1(x * input_scale) * (alpha * scale) } else { x * scale }
+fn elu_fwd<T: crate::Elem>(x: f32, scale: f32, alpha: f32, c: f32) -> f32 {
+    let m = math::expm1_elu::<T>(x.min(0.0) * c) * (alpha * scale);
+    if x <= 0.0 { m } else { x * scale }
 }
 #[inline(always)]
-fn elu_bwd(x: f32, g: f32, scale: f32, alpha: f32, input_scale: f32) -> f32 {
-    if x <= 0.0 { g * (input_scale * (alpha * scale)) * math::exp(x * input_scale) } else { g * scale }
+fn elu_bwd<T: crate::Elem>(x: f32, g: f32, scale: f32, alpha: f32, c: f32) -> f32 {
+    let d = g * (c * (alpha * scale)) * math::exp_for::<T>(x.min(0.0) * c);
+    if x <= 0.0 { d } else { g * scale }
 }
-unary!(
+/// An ELU-family op: `$name` with `(scale, alpha, c)` from the kernel's parameters `a`, `b`.
+macro_rules! elu_op {
+    ($(#[$m:meta])* $name:ident, |$a:ident, $b:ident| ($scale:expr, $alpha:expr, $c:expr) $(, $extra:item)*) => {
+        $(#[$m])*
+        pub struct $name;
+        impl UnaryFn for $name {
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn fwd(x: f32, $a: f32, $b: f32) -> f32 {
+                elu_fwd::<f32>(x, $scale, $alpha, $c)
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn bwd(x: f32, g: f32, $a: f32, $b: f32) -> f32 {
+                elu_bwd::<f32>(x, g, $scale, $alpha, $c)
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn fwd_half(x: f32, $a: f32, $b: f32) -> f32 {
+                elu_fwd::<crate::F16>(x, $scale, $alpha, $c)
+            }
+            #[inline(always)]
+            #[allow(unused_variables)]
+            fn bwd_half(x: f32, g: f32, $a: f32, $b: f32) -> f32 {
+                elu_bwd::<crate::F16>(x, g, $scale, $alpha, $c)
+            }
+            $($extra)*
+        }
+    };
+}
+elu_op!(
     /// `x` for `x > 0`, else `alpha (e^x - 1)` (PyTorch's `elu`); backward `g alpha e^x` at and
     /// below 0.
     Elu,
-    |x, a, b| elu_fwd(x, 1.0, a, 1.0),
-    |x, g, a, b| elu_bwd(x, g, 1.0, a, 1.0)
+    |a, b| (1.0, a, 1.0)
 );
 /// SELU's `alpha` and `scale` (Klambauer et al.), PyTorch's `SELU_ALPHA` and `SELU_SCALE`.
 pub const SELU_ALPHA: f32 = 1.673_263_2;
 /// See [`SELU_ALPHA`].
 pub const SELU_SCALE: f32 = 1.050_701;
-unary!(
+elu_op!(
     /// `scale x` for `x > 0`, else `scale alpha (e^x - 1)`, with [`SELU_SCALE`] and [`SELU_ALPHA`].
     Selu,
-    |x, a, b| elu_fwd(x, SELU_SCALE, SELU_ALPHA, 1.0),
-    |x, g, a, b| elu_bwd(x, g, SELU_SCALE, SELU_ALPHA, 1.0)
+    |a, b| (SELU_SCALE, SELU_ALPHA, 1.0)
 );
-/// `x` for `x > 0`, else `alpha (e^(x / alpha) - 1)` (PyTorch's `celu`). The kernel's parameters
-/// are `alpha` and `1 / alpha`, rounded once on the host, as PyTorch passes them to its ELU kernel
-/// (`UnaryFn::params`): the quotient is a product, as there.
-pub struct Celu;
-impl UnaryFn for Celu {
-    #[inline(always)]
-    fn fwd(x: f32, a: f32, b: f32) -> f32 {
-        elu_fwd(x, 1.0, a, b)
-    }
-    #[inline(always)]
-    fn bwd(x: f32, g: f32, a: f32, b: f32) -> f32 {
-        elu_bwd(x, g, 1.0, a, b)
-    }
+elu_op!(
+    /// `x` for `x > 0`, else `alpha (e^(x / alpha) - 1)` (PyTorch's `celu`). The kernel's
+    /// parameters are `alpha` and `1 / alpha`, rounded once on the host, as PyTorch passes them
+    /// to its ELU kernel (`UnaryFn::params`): the quotient is a product, as there.
+    Celu,
+    |a, b| (1.0, a, b),
     fn params(p: [f32; 2]) -> [f32; 2] {
         [p[0], 1.0 / p[0]]
-    }
+    },
     fn check(p: [f32; 2]) -> Result<(), &'static str> {
         if p[0] == 0.0 { Err("celu's alpha must not be 0") } else { Ok(()) }
     }
-}
+);
 /// `min(max(x + 3, 0), 6)`, NaN propagated (PyTorch's `std::min(std::max(..))` order).
 #[inline(always)]
 fn relu6_shift3(x: f32) -> f32 {
@@ -778,26 +803,28 @@ fn relu6_shift3(x: f32) -> f32 {
     let t = if t < 0.0 { 0.0 } else { t };
     if 6.0 < t { 6.0 } else { t }
 }
+/// PyTorch's `one_sixth`: `1/6` rounded to f32, by which its hard activations multiply.
+const ONE_SIXTH: f32 = 1.0 / 6.0;
 unary!(
-    /// `x min(max(x + 3, 0), 6) / 6` (PyTorch's `hardswish`, its division by 6 kept for its
-    /// bits); backward `g (x / 3 + 1/2)` on `[-3, 3]`, 0 below, `g` above (a NaN `x` gives `g`,
-    /// as PyTorch's chain of comparisons).
+    /// `x min(max(x + 3, 0), 6) / 6` as PyTorch computes it (times `1/6` rounded, for its bits);
+    /// backward `g (x / 3 + 1/2)` strictly inside `(-3, 3)`, 0 at and below -3, `g` at and above
+    /// 3 (a NaN `x` gives `g`, as PyTorch's chain of comparisons).
     Hardswish,
-    |x, a, b| x * relu6_shift3(x) / 6.0,
-    |x, g, a, b| if x < -3.0 {
+    |x, a, b| x * relu6_shift3(x) * ONE_SIXTH,
+    |x, g, a, b| if x <= -3.0 {
         0.0
-    } else if x <= 3.0 {
+    } else if x < 3.0 {
         g * (x / 3.0 + 0.5)
     } else {
         g
     }
 );
 unary!(
-    /// `min(max(x + 3, 0), 6) / 6` (PyTorch's `hardsigmoid`); backward `g / 6` strictly inside
-    /// `(-3, 3)`, else 0.
+    /// `min(max(x + 3, 0), 6) / 6` (PyTorch's `hardsigmoid`, times `1/6` rounded); backward
+    /// `g / 6` strictly inside `(-3, 3)`, else 0.
     Hardsigmoid,
-    |x, a, b| relu6_shift3(x) / 6.0,
-    |x, g, a, b| if x > -3.0 && x < 3.0 { g * (1.0 / 6.0) } else { 0.0 }
+    |x, a, b| relu6_shift3(x) * ONE_SIXTH,
+    |x, g, a, b| if x > -3.0 && x < 3.0 { g * ONE_SIXTH } else { 0.0 }
 );
 unary!(
     /// `x / (1 + |x|)` (PyTorch's `softsign`, which it composes from three kernels); backward

@@ -30,9 +30,11 @@ def test_bad_codes_are_refused():
         pytest.skip("the device is initialised before the codes are read")
     with pytest.raises(TypeError, match="dtype code 7"):
         _native.activation_fwd(0, 0, 7, 5, 0.0, 0.0, 0, 0, 0)
-    with pytest.raises(ValueError, match="activation code 99"):
+    with pytest.raises(ValueError, match="unary op code 99"):
         _native.activation_fwd(0, 0, 0, 99, 0.0, 0.0, 0, 0, 0)
-    with pytest.raises(ValueError, match="unary op code 15"):
-        _native.unary_fwd(0, 0, 0, 15, 0.0, 0.0, 0, 0, 0)
+    with pytest.raises(ValueError, match="is not an activation"):
+        _native.activation_fwd(0, 0, 0, 0, 0.0, 0.0, 0, 0, 0)  # row 0 is a math op
+    with pytest.raises(ValueError, match="unary op code 200"):
+        _native.unary_fwd(0, 0, 0, 200, 0.0, 0.0, 0, 0, 0)
     with pytest.raises(ValueError, match="binary op code 4"):
         _native.binary_fwd(0, 0, 0, 4, 0, 0, 0, 0)

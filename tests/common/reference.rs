@@ -214,10 +214,11 @@ pub fn act_bwd(a: Activation, x: f64, g: f64) -> f64 {
         Activation::Elu { alpha } => elu_grad(x, g, 1.0, alpha as f64, 1.0),
         Activation::Selu => elu_grad(x, g, SELU_SCALE, SELU_ALPHA, 1.0),
         Activation::Celu { alpha } => elu_grad(x, g, 1.0, alpha as f64, 1.0 / alpha as f64),
+        // PyTorch's: 0 at and below -3, g at and above 3.
         Activation::Hardswish => {
-            if x < -3.0 {
+            if x <= -3.0 {
                 0.0
-            } else if x <= 3.0 {
+            } else if x < 3.0 {
                 g * (x / 3.0 + 0.5)
             } else {
                 g
@@ -275,16 +276,20 @@ pub fn act_fwd_tol(a: Activation, x: f64) -> Tol {
         Activation::Mish => (10.0 * U, 0.0),
         // z = x * beta (exact for beta = 2^k), exp, log1p, / beta.
         Activation::Softplus { .. } => (8.0 * U, 0.0),
-        // expm1 (<= 2 ulp, 3 U as the op's own) times alpha: one rounding. CELU's x / alpha is a
-        // product with 1 / alpha (two roundings in the argument t), which moves expm1(t) by
+        // expm1 (`fastmath::expm1_elu`: a polynomial's roundings, or the exp's 2 ulp scaled by
+        // e^t / (1 - e^t) < 0.6 and one subtraction) times alpha: one rounding. CELU's x / alpha
+        // is a product with 1 / alpha (two roundings in the argument t), which moves expm1(t) by
         // |t| e^t / |expm1(t)| <= 1 times that, relative.
         Activation::Elu { .. } => (4.0 * U, 0.0),
         Activation::Celu { .. } => (6.0 * U, 0.0),
         // SELU's constants rounded to f32 (U/2 each), their product, expm1, the last product.
         Activation::Selu => (6.0 * U, 0.0),
-        // x + 3, the product and the division by 6: a rounding each.
-        Activation::Hardswish => (2.0 * U, 0.0),
-        Activation::Hardsigmoid | Activation::Softsign => (U, 0.0),
+        // x + 3, the products (with 1/6 rounded to f32 as PyTorch's `one_sixth`): a rounding
+        // each, and the constant's half of one.
+        Activation::Hardswish => (2.5 * U, 0.0),
+        Activation::Hardsigmoid => (2.0 * U, 0.0),
+        // 1 + |x| and the quotient.
+        Activation::Softsign => (U, 0.0),
     };
     Tol { rtol, atol }
 }
@@ -324,7 +329,7 @@ pub fn act_bwd_tol(a: Activation, x: f64, g: f64) -> Tol {
         // x / 3 rounds with an error relative to x (absolute against x / 3 + 1/2, which cancels
         // at x = -1.5), then the sum and the product.
         Activation::Hardswish => Tol { rtol: 2.0 * U, atol: ag * ax * U },
-        // g times 1/6 rounded to f32: two roundings.
+        // g times 1/6 rounded to f32: the constant's rounding and the product's.
         Activation::Hardsigmoid => Tol { rtol: U, atol: 0.0 },
         // 1 + |x|, its square, the quotient.
         Activation::Softsign => Tol { rtol: 3.0 * U, atol: 0.0 },
