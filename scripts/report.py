@@ -41,8 +41,11 @@ def load_runs(paths):
 
 
 def pick(runs, fam):
-    """(run, table) of the newest measurement of `fam`: its run of record if the run names one."""
+    """(run, table) of the newest measurement of record of `fam` (a table marked `of_record`),
+    else of its newest measurement: a run that measured a few cases only (a new op, an
+    experiment) does not replace the last full one unless it says it is of record."""
     kind = "gemm" if fam == "gemm" else "compare"
+    newest = None
     for run in reversed(runs):
         tables = [t for t in run["tables"] if t["kind"] == kind and any(r.get("family") == fam for r in t["records"])]
         if not tables:
@@ -50,8 +53,10 @@ def pick(runs, fam):
         rec = [t for t in tables if t.get("of_record")]
         # The fullest table of the run: experiments often measure a few cases only.
         best = max(rec or tables, key=lambda t: (len(t["records"]), tables.index(t)))
-        return run, best
-    return None, None
+        if rec:
+            return run, best
+        newest = newest or (run, best)
+    return newest or (None, None)
 
 
 def paired_for(run, table, fam):

@@ -53,6 +53,8 @@ case "$JOBS" in
 esac
 
 export KERNELS_REQUIRE_GPU=1
+# The commit the bundle was built from, for the results' data (benches/results_json.py).
+if [ -z "${KERNELS_COMMIT:-}" ] && [ -f "$B/COMMIT" ]; then export KERNELS_COMMIT="$(cat "$B/COMMIT")"; fi
 # cuBLAS for the GEMM bench's in-process baseline: the copy in PyTorch's pip wheels
 # (nvidia-cublas-cu12), when there is no system one.
 CUBLAS_DIR="$(python3 -c 'import nvidia.cublas as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)"

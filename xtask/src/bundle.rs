@@ -121,6 +121,10 @@ pub fn gpu_bundle(o: &BundleOpts) -> Result<(), String> {
     manifest_txt += "run-gpu-suite.sh\nrun-sanitizer.sh\n";
     pack_binaries(&dir)?;
     manifest_txt += "bin.tar.xz\t(bin/, unpacked by the scripts on first use)\n";
+    // The commit the binaries were built from, for the results the suite writes (the GPU
+    // machine's copy of the tree may carry another git state, or none).
+    write(&dir.join("COMMIT"), &format!("{}\n", source_commit(&root)))?;
+    manifest_txt += "COMMIT\t(the commit built, `-dirty` with uncommitted changes)\n";
     write(&dir.join("MANIFEST.txt"), &manifest_txt)?;
 
     let (files, bytes) = folder_size(&dir);
@@ -355,6 +359,18 @@ fn folder_size(dir: &Path) -> (u64, u64) {
 
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
+}
+
+/// `git rev-parse --short HEAD` of the tree at `root`, with `-dirty` where it has uncommitted
+/// changes; `unknown` without git.
+fn source_commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git").args(args).current_dir(root).output().ok().filter(|o| o.status.success())
+    };
+    let Some(head) = git(&["rev-parse", "--short", "HEAD"]) else { return "unknown".into() };
+    let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
+    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|o| !o.stdout.is_empty());
+    if dirty { format!("{head}-dirty") } else { head }
 }
 
 #[cfg(test)]
