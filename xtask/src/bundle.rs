@@ -364,9 +364,8 @@ fn mib(bytes: u64) -> f64 {
 /// `git rev-parse --short HEAD` of the tree at `root`, with `-dirty` where it has uncommitted
 /// changes; `unknown` without git.
 fn source_commit(root: &Path) -> String {
-    let git = |args: &[&str]| {
-        Command::new("git").args(args).current_dir(root).output().ok().filter(|o| o.status.success())
-    };
+    let git =
+        |args: &[&str]| Command::new("git").args(args).current_dir(root).output().ok().filter(|o| o.status.success());
     let Some(head) = git(&["rev-parse", "--short", "HEAD"]) else { return "unknown".into() };
     let head = String::from_utf8_lossy(&head.stdout).trim().to_string();
     let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|o| !o.stdout.is_empty());
