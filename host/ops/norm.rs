@@ -668,6 +668,22 @@ pub fn rms_norm_backward_out(
 mod tests {
     use super::*;
 
+    /// The cluster plan asks the table for instances at [`CLUSTER_VECTORS`]: every storage type
+    /// and both norms must declare some there, or their long rows would silently stream.
+    #[test]
+    fn cluster_instances_are_at_the_planned_vectors() {
+        fn check<T: NormElem>() {
+            let table = T::NORM;
+            for kind in [Kind::Layer, Kind::Rms] {
+                let sizes: Vec<u32> = kind.op(&table).bwd.cluster_sizes(CLUSTER_VECTORS as usize).collect();
+                assert!(!sizes.is_empty(), "{:?}", T::DTYPE);
+            }
+        }
+        check::<f32>();
+        check::<kernels_gpu::F16>();
+        check::<kernels_gpu::BF16>();
+    }
+
     #[test]
     fn slices_take_few_rows() {
         for (rows, cols, vec, yes) in [
