@@ -122,8 +122,7 @@ pub(crate) fn eight_vectors_fwd(dt: DType, cols: u64) -> bool {
 }
 
 /// Where a row plan gets its kernels: a family's typed table ([`RowKernels`], whose plans
-/// launch through typed handles) or, for the families not yet declared through one, a name stem
-/// (`<stem>_v<V>_<dt>`, `<stem>_stream_<dt>`, `<stem>_c<C>_v<V>_<dt>`).
+/// launch through typed handles).
 pub(crate) trait RowSource {
     /// What a plan launches.
     type Kernel: KernelName;
@@ -143,12 +142,6 @@ impl<A: Params> KernelName for Kernel<A> {
     }
 }
 
-impl KernelName for String {
-    fn name(&self) -> &str {
-        self
-    }
-}
-
 impl<A: Params> RowSource for RowKernels<A> {
     type Kernel = Kernel<A>;
     fn instance(&self, v: RowVariant) -> Option<Kernel<A>> {
@@ -156,24 +149,8 @@ impl<A: Params> RowSource for RowKernels<A> {
     }
 }
 
-/// The instances of the row kernel `stem` of `dt`, by name.
-pub(crate) struct Stem<'a>(pub &'a str, pub DType);
-
-impl RowSource for Stem<'_> {
-    type Kernel = String;
-    fn instance(&self, v: RowVariant) -> Option<String> {
-        let Stem(stem, dt) = self;
-        let sfx = dt.suffix();
-        Some(match v {
-            RowVariant::Reg(v) => format!("{stem}_v{v}_{sfx}"),
-            RowVariant::Stream => format!("{stem}_stream_{sfx}"),
-            RowVariant::Cluster(c, v) => format!("{stem}_c{c}_v{v}_{sfx}"),
-        })
-    }
-}
-
 /// The instance `v` of `src`, or an error naming what is missing (a family's table lacks it).
-fn instance<S: RowSource>(src: &S, v: RowVariant) -> Result<S::Kernel> {
+pub(crate) fn instance<S: RowSource>(src: &S, v: RowVariant) -> Result<S::Kernel> {
     src.instance(v).ok_or_else(|| Error::KernelNotFound { name: format!("a row kernel's {v:?} instance") })
 }
 

@@ -28,12 +28,12 @@ pub use transpose::*;
 /// Every kernel the families other than the element-wise ops launch (softmax, norms,
 /// cross-entropy, reductions, transpose, the GEMM, init and the optimizer), with the parameter
 /// count of the signature the host launches it with; checked against the PTX by `tests/cpu.rs`.
-/// Softmax, cross-entropy, transpose, init and the optimizer derive theirs from their
+/// Softmax, the norms, cross-entropy, transpose, init and the optimizer derive theirs from their
 /// declarations' typed handles.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
-    v.extend(norm::launched_kernels());
+    v.extend(kernels_gpu::norm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(reduce::launched_kernels());
     v.extend(kernels_gpu::transpose::all_kernels().map(|k| (k.name.to_string(), k.arity)));

@@ -4,14 +4,15 @@
 use super::check::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
-use crate::rows::{self, RowPlan, Spread, Stem, fwd_row_plan, row_plan};
+use crate::rows::{self, RowPlan, Spread, fwd_row_plan, row_plan};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
-use kernels_gpu::kernel::Params;
+use kernels_gpu::kernel::Kernel;
 use kernels_gpu::norm::{
-    COLSUM_LANES, NormBwdArgs, NormBwdOneArgs, NormColGradArgs, NormColsumArgs, NormFwdArgs, ONE_CLUSTER,
-    SLICES_THREADS, padded, slices_smem_floats,
+    COLSUM_LANES, NormBwdArgs, NormBwdOneArgs, NormColGradArgs, NormColsumArgs, NormElem, NormFwdArgs, NormOp,
+    ONE_CLUSTER, SLICES_THREADS, padded, slices_smem_floats,
 };
+use kernels_gpu::rows::RowVariant;
 
 /// PyTorch's default `eps` of `layer_norm`.
 pub const LAYER_NORM_EPS: f32 = 1e-5;
@@ -37,12 +38,26 @@ pub struct NormGrads {
     pub bias: Option<Tensor>,
 }
 
-/// Vectors per thread of the register-resident forward instances.
-const FWD_VECTORS: &[usize] = &[1, 2, 4, 8];
+/// The register-resident instances the forward chooses from for rows of `cols`: the op's, eight
+/// vectors a thread only where [`rows::eight_vectors_fwd`] says.
+fn fwd_vectors<T>(op: &NormOp<T>, dt: DType, cols: u64) -> Vec<usize> {
+    op.fwd.reg_vectors().filter(|&v| v < 8 || rows::eight_vectors_fwd(dt, cols)).collect()
+}
 
-/// The instances the forward chooses from for rows of `cols` (see [`rows::eight_vectors_fwd`]).
-fn fwd_vectors(dt: DType, cols: u64) -> &'static [usize] {
-    if rows::eight_vectors_fwd(dt, cols) { FWD_VECTORS } else { &FWD_VECTORS[..3] }
+/// A launch of the backward's row kernels.
+type BwdPlan<T> = RowPlan<Kernel<NormBwdArgs<T>>>;
+
+/// The forward's kernel and launch.
+fn forward_plan<T: NormElem>(
+    dev: &crate::Device,
+    kind: Kind,
+    rows: u64,
+    cols: u64,
+) -> Result<Option<RowPlan<Kernel<NormFwdArgs<T>>>>> {
+    let dt = T::DTYPE;
+    let table = T::NORM;
+    let op = kind.op(&table);
+    fwd_row_plan(dev, &op.fwd, dt, rows, cols, &fwd_vectors(op, dt, cols), kind.fwd_spread(dt))
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -52,11 +67,9 @@ enum Kind {
 }
 
 impl Kind {
-    fn stem(self) -> &'static str {
-        match self {
-            Kind::Layer => "layer_norm",
-            Kind::Rms => "rms_norm",
-        }
+    /// The kind's kernels in `table`.
+    fn op<T>(self, table: &kernels_gpu::norm::NormKernels<T>) -> &NormOp<T> {
+        table.op(self == Kind::Layer)
     }
     /// How the forward spreads a row of `dt` (see [`Spread::Two`]): two vectors a thread for
     /// f16/bf16, four for f32.
@@ -69,13 +82,6 @@ impl Kind {
     /// 4096 (H100, bf16, docs/worklog.md, 2026-11-26h).
     fn fwd_spread(self, dt: DType) -> Spread {
         if dt == DType::F32 { Spread::Wide } else { Spread::Two }
-    }
-    fn bwd_vectors(dt: DType) -> &'static [usize] {
-        if dt == DType::F32 { &[1, 2, 4] } else { &[1, 2] }
-    }
-    /// Rows a thread of the slices backward (`<stem>_bwd_slices_k8_v<V>_<dt>`) holds.
-    fn slices_vectors(dt: DType) -> &'static [usize] {
-        if dt == DType::F32 { &[1, 2, 4, 8] } else { &[1, 2, 4] }
     }
 }
 
@@ -158,18 +164,9 @@ fn forward_out(
     let stat_shape = &x.shape()[..x.shape().len() - 1];
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
-    let dt = x.dtype();
-    if let Some(p) = fwd_row_plan(
-        dev,
-        &Stem(&format!("{}_fwd", kind.stem()), dt),
-        dt,
-        rows,
-        cols,
-        fwd_vectors(dt, cols),
-        kind.fwd_spread(dt),
-    )? {
-        let mean_p = ptr_mut_or_null(mean.as_mut())?;
-        with_elem!(dt, |T| {
+    with_elem!(x.dtype(), |T| {
+        if let Some(p) = forward_plan::<T>(dev, kind, rows, cols)? {
+            let mean_p = ptr_mut_or_null(mean.as_mut())?;
             let args: NormFwdArgs<T> = (
                 x.dev_ptr(),
                 ptr_or_null(weight),
@@ -183,10 +180,10 @@ fn forward_out(
             );
             // SAFETY: x, y hold rows * cols elements of T, weight and bias cols (or are null),
             // mean and rstd rows floats (mean null for rms).
-            unsafe { dev.launch(&p.kernel, p.cfg, args) }
-        })?;
-    }
-    Ok(())
+            unsafe { dev.launch(p.kernel, p.cfg, args) }?;
+        }
+        Ok(())
+    })
 }
 
 /// The statistics must be f32, one per row, on x's device; a mean exactly for layer norm.
@@ -220,8 +217,8 @@ fn colsums(
         block: (32, COLSUM_LANES, 1),
         shared_bytes: 32 * COLSUM_LANES * 4,
     };
-    let kernel = kernels_gpu::kernel_name!("norm_colsum", x.dtype());
     with_elem!(x.dtype(), |T| {
+        let kernel = T::NORM.colsum;
         let args: NormColsumArgs<T> = (partial.dev_ptr(), ptr_mut_or_null(w)?, ptr_mut_or_null(b)?, chunks, cols);
         // SAFETY: partial holds 2 * chunks * cols floats (the caller's buffer); the outputs cols
         // elements each (checked by the caller), or are null. `norm_colsum` waits for the
@@ -275,32 +272,52 @@ fn backward_out(
     check_param(op, x, grads.weight.as_ref(), "the weight's gradient must match the last dimension")?;
     check_param(op, x, grads.bias.as_ref(), "the bias's gradient must match the last dimension")?;
     let NormGrads { x: gx, weight: gw, bias: gb } = grads;
+    with_elem!(x.dtype(), |T| {
+        backward_launch::<T>(op, kind, (rows, cols), x, weight, stats, grad, mean_p, gx, gw, gb)
+    })
+}
+
+/// [`backward_out`]'s launches for elements of `T`, its arguments checked.
+#[allow(clippy::too_many_arguments)]
+fn backward_launch<T: NormElem>(
+    op: &'static str,
+    kind: Kind,
+    (rows, cols): (u64, u64),
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    mean_p: *const f32,
+    gx: &mut Tensor,
+    gw: &mut Option<Tensor>,
+    gb: &mut Option<Tensor>,
+) -> Result<()> {
     let dev = x.device();
     let dt = x.dtype();
+    let table = T::NORM;
+    let norm = kind.op(&table);
     let want_params = gw.is_some() || gb.is_some();
-    let slices = if want_params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
+    let slices = if want_params { slices_plan(dev, norm, dt, rows, cols)? } else { None };
     if let Some(p) = slices {
-        return with_elem!(dt, |T| {
-            let args: NormBwdOneArgs<T> = (
-                x.dev_ptr(),
-                ptr_or_null(weight),
-                grad.dev_ptr(),
-                mean_p,
-                stats.rstd.dev_ptr(),
-                gx.dev_ptr_mut()?,
-                ptr_mut_or_null(gw.as_mut())?,
-                ptr_mut_or_null(gb.as_mut())?,
-                rows,
-                cols,
-            );
-            // SAFETY: x, grad, gx hold rows * cols elements of T; weight, dw, db cols (or
-            // null); the statistics rows floats (checked above); the launch is one cluster of
-            // the kernel's size, its blocks and shared memory as `bwd_slices` requires
-            // (slices_plan).
-            unsafe { dev.launch(&p.kernel, p.cfg, args) }
-        });
+        let args: NormBwdOneArgs<T> = (
+            x.dev_ptr(),
+            ptr_or_null(weight),
+            grad.dev_ptr(),
+            mean_p,
+            stats.rstd.dev_ptr(),
+            gx.dev_ptr_mut()?,
+            ptr_mut_or_null(gw.as_mut())?,
+            ptr_mut_or_null(gb.as_mut())?,
+            rows,
+            cols,
+        );
+        // SAFETY: x, grad, gx hold rows * cols elements of T; weight, dw, db cols (or
+        // null); the statistics rows floats (checked above); the launch is one cluster of
+        // the kernel's size, its blocks and shared memory as `bwd_slices` requires
+        // (slices_plan).
+        return unsafe { dev.launch(p.kernel, p.cfg, args) };
     }
-    let Some((p, chunks)) = backward_plan(dev, kind, dt, rows, cols, want_params)? else {
+    let Some((p, chunks)) = backward_plan(dev, norm, dt, rows, cols, want_params)? else {
         // No rows: the parameter gradients are sums over nothing.
         for g in [gw, gb].into_iter().flatten() {
             g.fill_(0.0)?;
@@ -315,22 +332,20 @@ fn backward_out(
         _ => None,
     };
     let part_p = ptr_mut_or_null(partial.as_mut().map(|(t, _)| t))?;
-    with_elem!(dt, |T| {
-        let args: NormBwdArgs<T> = (
-            x.dev_ptr(),
-            ptr_or_null(weight),
-            grad.dev_ptr(),
-            mean_p,
-            stats.rstd.dev_ptr(),
-            gx.dev_ptr_mut()?,
-            part_p,
-            rows,
-            cols,
-        );
-        // SAFETY: x, grad, gx hold rows * cols elements of T; weight cols (or null); the
-        // statistics rows floats (checked above); partial 2 * grid * cols floats or null.
-        unsafe { dev.launch(&p.kernel, cfg, args) }
-    })?;
+    let args: NormBwdArgs<T> = (
+        x.dev_ptr(),
+        ptr_or_null(weight),
+        grad.dev_ptr(),
+        mean_p,
+        stats.rstd.dev_ptr(),
+        gx.dev_ptr_mut()?,
+        part_p,
+        rows,
+        cols,
+    );
+    // SAFETY: x, grad, gx hold rows * cols elements of T; weight cols (or null); the
+    // statistics rows floats (checked above); partial 2 * grid * cols floats or null.
+    unsafe { dev.launch(p.kernel, cfg, args) }?;
     if !want_params {
         return Ok(());
     }
@@ -338,13 +353,10 @@ fn backward_out(
         // Streaming rows: the column sums are a pass of their own.
         let (ccfg, chunks) = launch::col_reduce(rows, cols, dev.sm_count(), 8).expect("rows and cols > 0");
         let mut t = Tensor::alloc(op, dev, &[2, chunks as usize, cols as usize], DType::F32)?;
-        let kernel = format!("{}_colgrad_{}", kind.stem(), dt.suffix());
-        with_elem!(dt, |T| {
-            let args: NormColGradArgs<T> =
-                (x.dev_ptr(), grad.dev_ptr(), mean_p, stats.rstd.dev_ptr(), t.dev_ptr_mut()?, rows, cols);
-            // SAFETY: as above; partial holds 2 * chunks * cols floats for grid.y = chunks.
-            unsafe { dev.launch(&kernel, ccfg, args) }
-        })?;
+        let args: NormColGradArgs<T> =
+            (x.dev_ptr(), grad.dev_ptr(), mean_p, stats.rstd.dev_ptr(), t.dev_ptr_mut()?, rows, cols);
+        // SAFETY: as above; partial holds 2 * chunks * cols floats for grid.y = chunks.
+        unsafe { dev.launch(norm.colgrad, ccfg, args) }?;
         partial = Some((t, chunks as u64));
     }
     let (t, chunks) = partial.as_ref().expect("set above");
@@ -357,7 +369,13 @@ fn backward_out(
 /// columns) by `by` threads, a thread one vector of the slice in `V` rows, the fewest `V` that
 /// holds the rows in at most [`SLICES_THREADS`] threads.
 /// `None` outside [`slices_shape`], where the device has no such kernel or the rows do not fit.
-fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64) -> Result<Option<RowPlan<String>>> {
+fn slices_plan<T>(
+    dev: &crate::Device,
+    norm: &NormOp<T>,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+) -> Result<Option<RowPlan<Kernel<NormBwdOneArgs<T>>>>> {
     let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
     if !slices_shape(rows, cols, vec) {
         return Ok(None);
@@ -375,12 +393,12 @@ fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64)
         // warps. Blocks left with no columns (fewer vectors than blocks) still add their zeros.
         let per = (cols / vec).div_ceil(k as u64);
         let bx = if per <= 32 { per.next_power_of_two() } else { per.div_ceil(32) * 32 };
-        for &v in Kind::slices_vectors(dt) {
-            let kernel = format!("{}_bwd_slices_k{k}_v{v}_{}", kind.stem(), dt.suffix());
-            if !dev.has_kernel(&kernel) {
+        let Some(instances) = norm.slices(k) else { return Ok(None) };
+        for &(v, kernel) in instances.kernels {
+            if !dev.has_kernel(kernel.name()) {
                 return Ok(None);
             }
-            let limit = SLICES_THREADS.min(dev.max_threads(&kernel)?) as u64;
+            let limit = SLICES_THREADS.min(dev.max_threads(kernel.name())?) as u64;
             // Whole warps: the row sums' shuffles take all 32 lanes.
             let by = rows.div_ceil(v as u64).next_multiple_of(32u64.div_ceil(bx));
             if bx * by > limit {
@@ -390,7 +408,8 @@ fn slices_plan(dev: &crate::Device, kind: Kind, dt: DType, rows: u64, cols: u64)
             if floats * 4 > dev.max_shared_bytes() as usize {
                 break;
             }
-            if k > ONE_CLUSTER && dev.max_active_clusters(&kernel, k, (bx * by) as u32, (floats * 4) as u32)? == 0 {
+            if k > ONE_CLUSTER && dev.max_active_clusters(kernel.name(), k, (bx * by) as u32, (floats * 4) as u32)? == 0
+            {
                 break;
             }
             let cfg = crate::device::LaunchConfig {
@@ -436,23 +455,23 @@ fn slices_shape(rows: u64, cols: u64, vec: u64) -> bool {
 ///   unless that leaves an f16/bf16 launch one block of 512 threads an SM;
 /// - register-resident in a thread-block cluster (sm_90), one partial row per cluster;
 /// - streaming.
-fn backward_plan(
+fn backward_plan<T>(
     dev: &crate::Device,
-    kind: Kind,
+    norm: &NormOp<T>,
     dt: DType,
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(RowPlan<String>, Option<u64>)>> {
-    let stem = format!("{}_bwd", kind.stem());
+) -> Result<Option<(BwdPlan<T>, Option<u64>)>> {
     // The cluster kernel's launch and its partial rows of dw, db: one per cluster.
-    let cluster = || -> Result<Option<(RowPlan<String>, Option<u64>)>> {
-        Ok(cluster_plan(dev, &stem, dt, rows, cols, want_params)?.map(|(c, p)| {
+    let cluster = || -> Result<Option<(BwdPlan<T>, Option<u64>)>> {
+        Ok(cluster_plan(dev, norm, dt, rows, cols, want_params)?.map(|(c, p)| {
             let chunks = (p.cfg.grid.0 / c) as u64;
             (p, Some(chunks))
         }))
     };
-    let Some(mut p) = row_plan(dev, &Stem(&stem, dt), dt, rows, cols, Kind::bwd_vectors(dt), Spread::Wide)? else {
+    let avail: Vec<usize> = norm.bwd.reg_vectors().collect();
+    let Some(mut p) = row_plan(dev, &norm.bwd, dt, rows, cols, &avail, Spread::Wide)? else {
         return Ok(None);
     };
     // The register-resident kernel keeps each group's column sums in shared memory.
@@ -461,7 +480,7 @@ fn backward_plan(
     if fits {
         p.cfg.shared_bytes += sums_bytes as u32;
         let threads = p.cfg.block.0 * p.cfg.block.1;
-        let per_sm = dev.blocks_per_sm(&p.kernel, threads, p.cfg.shared_bytes)?;
+        let per_sm = dev.blocks_per_sm(p.kernel.name(), threads, p.cfg.shared_bytes)?;
         // f16/bf16 rows of about 6600-8192 columns take two vectors a thread in 416-512 threads
         // of 72-80 registers: one block an SM, 13-16 warps. A cluster of smaller blocks keeps more
         // in flight and was faster for bf16 at 8192 x 8192 on the H100 (f32 at 8192 columns, also one
@@ -482,9 +501,9 @@ fn backward_plan(
         return Ok(Some(plan));
     }
     if p.v.is_some() {
-        let kernel = format!("{stem}_stream_{}", dt.suffix());
+        let kernel = rows::instance(&norm.bwd, RowVariant::Stream)?;
         let vec = with_elem!(dt, |T| <T as kernels_gpu::Elem>::VEC as u64);
-        let g = rows::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(&kernel)? / 32 * 32);
+        let g = rows::group_size(cols.div_ceil(vec), 4).min(dev.max_threads(kernel.name())? / 32 * 32);
         p = RowPlan { kernel, cfg: rows::grid(rows, g).expect("rows > 0"), v: None };
     }
     Ok(Some((p, None)))
@@ -503,28 +522,22 @@ pub fn norm_kernels(
     params: bool,
 ) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
-    let fwd = fwd_row_plan(
-        dev,
-        &Stem(&format!("{}_fwd", kind.stem()), dt),
-        dt,
-        rows,
-        cols,
-        fwd_vectors(dt, cols),
-        kind.fwd_spread(dt),
-    )?;
-    let one = if params { slices_plan(dev, kind, dt, rows, cols)? } else { None };
-    let bwd = match one {
-        Some(p) => Some(p.kernel),
-        None => backward_plan(dev, kind, dt, rows, cols, params)?.map(|(p, _)| p.kernel),
-    };
-    Ok([fwd.map(|p| p.kernel).unwrap_or_default(), bwd.unwrap_or_default()])
+    with_elem!(dt, |T| {
+        let table = T::NORM;
+        let norm = kind.op(&table);
+        let fwd = forward_plan::<T>(dev, kind, rows, cols)?.map(|p| p.kernel.name());
+        let one = if params { slices_plan(dev, norm, dt, rows, cols)? } else { None };
+        let bwd = match one {
+            Some(p) => Some(p.kernel.name()),
+            None => backward_plan(dev, norm, dt, rows, cols, params)?.map(|(p, _)| p.kernel.name()),
+        };
+        Ok([fwd.unwrap_or_default().to_string(), bwd.unwrap_or_default().to_string()])
+    })
 }
 
-/// Cluster sizes of the backward's cluster kernels (`<stem>_c<C>_v<V>_<dt>`, sm_90 only).
-const CLUSTERS: [u32; 2] = [4, 8];
-
-/// Vectors of `x` and of `g` a thread of the cluster kernels holds (within the 64 registers of
-/// a 1024-thread block: build_ptx.rs).
+/// Vectors of `x` and of `g` a thread of the cluster kernels (`<op>_bwd_c<C>_v<V>_<dt>`, sm_90
+/// only, the sizes `C` from the family's table) holds (within the 64 registers of a 1024-thread
+/// block: build_ptx.rs).
 const CLUSTER_VECTORS: u64 = 2;
 
 /// The backward of rows too long for one block's registers, held by a cluster of blocks
@@ -532,23 +545,24 @@ const CLUSTER_VECTORS: u64 = 2;
 /// kernels (sm_90), the rows are whole vectors and short enough. A persistent grid of as many
 /// clusters as can be resident at once, each walking rows; `None` otherwise. Returns the
 /// cluster size with the plan.
-fn cluster_plan(
+fn cluster_plan<T>(
     dev: &crate::Device,
-    stem: &str,
+    norm: &NormOp<T>,
     dt: DType,
     rows: u64,
     cols: u64,
     want_params: bool,
-) -> Result<Option<(u32, RowPlan<String>)>> {
+) -> Result<Option<(u32, BwdPlan<T>)>> {
     let v = CLUSTER_VECTORS;
     let sums = |run_cols: u64| if want_params { 2 * padded(run_cols) as u64 * 4 } else { 0 };
-    let Some(cs) = rows::cluster_kernel(dev, &Stem(stem, dt), dt, cols, v, &CLUSTERS, 1024, sums)? else {
+    let sizes: Vec<u32> = norm.bwd.cluster_sizes(v as usize).collect();
+    let Some(cs) = rows::cluster_kernel(dev, &norm.bwd, dt, cols, v, &sizes, 1024, sums)? else {
         return Ok(None);
     };
     if rows == 0 {
         return Ok(None);
     }
-    let resident = dev.max_active_clusters(&cs.kernel, cs.blocks, cs.threads, cs.shared_bytes)?;
+    let resident = dev.max_active_clusters(cs.kernel.name(), cs.blocks, cs.threads, cs.shared_bytes)?;
     if resident == 0 {
         return Ok(None);
     }
@@ -650,39 +664,25 @@ pub fn rms_norm_backward_out(
     backward_out("rms_norm_backward", Kind::Rms, x, weight, stats, grad, grads)
 }
 
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    let mut v = Vec::new();
-    for dt in DType::ALL {
-        let (f, b, o, c, s) = with_elem!(dt, |T| (
-            <NormFwdArgs<T> as Params>::ARITY,
-            <NormBwdArgs<T> as Params>::ARITY,
-            <NormBwdOneArgs<T> as Params>::ARITY,
-            <NormColGradArgs<T> as Params>::ARITY,
-            <NormColsumArgs<T> as Params>::ARITY
-        ));
-        let sfx = dt.suffix();
-        for kind in [Kind::Layer, Kind::Rms] {
-            let st = kind.stem();
-            v.extend(FWD_VECTORS.iter().map(|n| (format!("{st}_fwd_v{n}_{sfx}"), f)));
-            v.extend(Kind::bwd_vectors(dt).iter().map(|n| (format!("{st}_bwd_v{n}_{sfx}"), b)));
-            let cv = CLUSTER_VECTORS;
-            v.extend(CLUSTERS.iter().map(|c| (format!("{st}_bwd_c{c}_v{cv}_{sfx}"), b)));
-            for k in [ONE_CLUSTER, SLICES_WIDE_CLUSTER] {
-                let slices = Kind::slices_vectors(dt).iter();
-                v.extend(slices.map(|n| (format!("{st}_bwd_slices_k{k}_v{n}_{sfx}"), o)));
-            }
-            v.push((format!("{st}_fwd_stream_{sfx}"), f));
-            v.push((format!("{st}_bwd_stream_{sfx}"), b));
-            v.push((format!("{st}_colgrad_{sfx}"), c));
-        }
-        v.push((format!("norm_colsum_{sfx}"), s));
-    }
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cluster plan asks the table for instances at [`CLUSTER_VECTORS`]: every storage type
+    /// and both norms must declare some there, or their long rows would silently stream.
+    #[test]
+    fn cluster_instances_are_at_the_planned_vectors() {
+        fn check<T: NormElem>() {
+            let table = T::NORM;
+            for kind in [Kind::Layer, Kind::Rms] {
+                let sizes: Vec<u32> = kind.op(&table).bwd.cluster_sizes(CLUSTER_VECTORS as usize).collect();
+                assert!(!sizes.is_empty(), "{:?}", T::DTYPE);
+            }
+        }
+        check::<f32>();
+        check::<kernels_gpu::F16>();
+        check::<kernels_gpu::BF16>();
+    }
 
     #[test]
     fn slices_take_few_rows() {

@@ -27,6 +27,11 @@
 //! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
 //! of `x` and `g`, the price of rows over 8192 elements.
 
+use crate::kernel::{Kernel, KernelEntry, Params};
+use crate::rows::RowKernels;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::rows::RowVariant;
+
 /// `(x, w, b, y, mean, rstd, rows, cols, eps)`. `w`, `b` may be null (no affine part); `mean`
 /// is null for RMS norm. `mean` and `rstd` are f32, one per row.
 pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut f32, u64, u64, f32);
@@ -1053,23 +1058,116 @@ mod device {
 pub use device::*;
 
 // --- the kernels: `<layer_norm|rms_norm>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>`,
-// `<layer_norm|rms_norm>_colgrad_<dtype>`, `norm_colsum_<dtype>` -----------------------------
+// `<op>_bwd_c<C>_v<V>_<dtype>`, `<op>_bwd_slices_k<K>_v<V>_<dtype>`,
+// `<layer_norm|rms_norm>_colgrad_<dtype>`, `norm_colsum_<dtype>` ------------------------------
 
-macro_rules! norm_kernels {
-    ($T:ty, $sfx:ident) => {
-        norm_kernels!(@op $T, $sfx, layer_norm, Layer);
-        norm_kernels!(@op $T, $sfx, rms_norm, Rms);
+/// The norm family's kernels of one storage type `T`, typed (see [`RowKernels`]).
+pub struct NormKernels<T: 'static> {
+    /// Layer norm's.
+    pub layer_norm: NormOp<T>,
+    /// RMS norm's.
+    pub rms_norm: NormOp<T>,
+    /// `norm_colsum_<dtype>`: the parameter gradients from the backward's partial rows.
+    pub colsum: Kernel<NormColsumArgs<T>>,
+}
+
+/// The kernels of layer norm or RMS norm for one storage type.
+pub struct NormOp<T: 'static> {
+    /// `<op>_fwd_*`.
+    pub fwd: RowKernels<NormFwdArgs<T>>,
+    /// `<op>_bwd_*`: register-resident, cluster and streaming.
+    pub bwd: RowKernels<NormBwdArgs<T>>,
+    /// `<op>_bwd_slices_k<K>_*`, one entry a cluster size `K` (sm_90).
+    pub slices: &'static [SlicesKernels<T>],
+    /// `<op>_colgrad_<dtype>`: the column sums behind the streaming backward.
+    pub colgrad: Kernel<NormColGradArgs<T>>,
+}
+
+/// The slices backward's instances of one cluster size (`<op>_bwd_slices_k<K>_v<V>_<dtype>`).
+pub struct SlicesKernels<T: 'static> {
+    /// `K`: blocks of the cluster, the whole grid.
+    pub blocks: u32,
+    /// `(V, kernel)`: rows a thread holds, ascending.
+    pub kernels: &'static [(usize, Kernel<NormBwdOneArgs<T>>)],
+}
+
+impl<T: 'static> NormKernels<T> {
+    /// Layer norm's kernels if `layer`, else RMS norm's.
+    pub const fn op(&self, layer: bool) -> &NormOp<T> {
+        if layer { &self.layer_norm } else { &self.rms_norm }
+    }
+}
+
+impl<T: 'static> NormOp<T> {
+    /// The slices backward's instances of `blocks` blocks, if the family has them.
+    pub fn slices(&self, blocks: u32) -> Option<&SlicesKernels<T>> {
+        self.slices.iter().find(|s| s.blocks == blocks)
+    }
+}
+
+impl<T: 'static> NormKernels<T>
+where
+    NormFwdArgs<T>: Params,
+    NormBwdArgs<T>: Params,
+    NormBwdOneArgs<T>: Params,
+    NormColGradArgs<T>: Params,
+    NormColsumArgs<T>: Params,
+{
+    /// Every kernel's name and arity.
+    pub fn entries(&self) -> impl Iterator<Item = KernelEntry> + '_ {
+        let ops = [&self.layer_norm, &self.rms_norm].into_iter().flat_map(|o| {
+            let slices = o.slices.iter().flat_map(|s| s.kernels.iter().map(|(_, k)| k.entry()));
+            o.fwd.entries().chain(o.bwd.entries()).chain(slices).chain([o.colgrad.entry()])
+        });
+        ops.chain([self.colsum.entry()])
+    }
+}
+
+/// A storage type's norm kernels.
+pub trait NormElem: crate::Elem {
+    /// The table of `Self`'s instances.
+    const NORM: NormKernels<Self>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    NORM_F32.entries().chain(NORM_F16.entries()).chain(NORM_BF16.entries())
+}
+
+/// Declares, per storage type, every instance of the family from one list: the kernels (on the
+/// device), their typed handles and the type's [`NormKernels`] table (on the host).
+macro_rules! norm_family {
+    ($($T:ty, $sfx:ident, $table:ident:
+        fwd [$($f:literal)*] bwd [$($b:literal)*] bwd_clusters [$($c:literal)*] of $cv:literal
+        slices [$($k:literal)*] of $s:tt;)*) => { $(
+        norm_family!(@op $T, $sfx, layer_norm, Layer, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
+        norm_family!(@op $T, $sfx, rms_norm, Rms, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
         paste::paste! {
             $crate::kernel!([<norm_colsum_ $sfx>]: NormColsumArgs<$T> = |partial, dw, db, chunks, cols|
                 colsum::<$T>(partial, dw, db, chunks, cols));
+            #[cfg(not(target_arch = "nvptx64"))]
+            #[doc = concat!("The norm kernels of ", stringify!($sfx), ".")]
+            pub const $table: NormKernels<$T> = NormKernels {
+                layer_norm: norm_family!(@table $sfx, layer_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
+                rms_norm: norm_family!(@table $sfx, rms_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
+                colsum: [<norm_colsum_ $sfx>],
+            };
         }
-    };
-    (@op $T:ty, $sfx:ident, $op:ident, $N:ident) => {
-        norm_kernels!(@fwd $T, $sfx, $op, $N, 1 2 4);
-        // Backward holds x, g and the weights in registers: four vectors of f32 (two of
-        // f16/bf16) at most.
-        norm_kernels!(@bwd $T, $sfx, $op, $N, 1 2);
+        #[cfg(not(target_arch = "nvptx64"))]
+        impl NormElem for $T {
+            const NORM: NormKernels<$T> = $table;
+        }
+    )* };
+    (@op $T:ty, $sfx:ident, $op:ident, $N:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*],
+        $cv:literal, [$($k:literal)*], $s:tt) => {
         paste::paste! {
+            $( $crate::kernel!([<$op _fwd_v $f _ $sfx>]: NormFwdArgs<$T> =
+                |x, w, b, y, mean, rstd, rows, cols, eps|
+                fwd_reg::<$T, $N, $f>(x, w, b, y, mean, rstd, rows, cols, eps)); )*
+            $( $crate::kernel!([<$op _bwd_v $b _ $sfx>]: NormBwdArgs<$T> =
+                |x, w, g, mean, rstd, gx, partial, rows, cols|
+                bwd_reg::<$T, $N, $b, 1>(x, w, g, mean, rstd, gx, partial, rows, cols)); )*
             $crate::kernel!([<$op _fwd_stream_ $sfx>]: NormFwdArgs<$T> =
                 |x, w, b, y, mean, rstd, rows, cols, eps|
                 fwd_stream::<$T, $N>(x, w, b, y, mean, rstd, rows, cols, eps));
@@ -1079,77 +1177,73 @@ macro_rules! norm_kernels {
             $crate::kernel!([<$op _colgrad_ $sfx>]: NormColGradArgs<$T> =
                 |x, g, mean, rstd, partial, rows, cols|
                 colgrad::<$T, $N>(x, g, mean, rstd, partial, rows, cols));
+            // Clusters of C blocks, V vectors a thread (sm_90 only; the host lists them for
+            // every target and launches them where the device's module has them).
+            $( #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
+            $crate::kernel!([<$op _bwd_c $c _v $cv _ $sfx>]: NormBwdArgs<$T> =
+                |x, w, g, mean, rstd, gx, partial, rows, cols|
+                bwd_reg::<$T, $N, $cv, $c>(x, w, g, mean, rstd, gx, partial, rows, cols)); )*
         }
+        $( norm_family!(@slices $T, $sfx, $op, $N, $k, $s); )*
     };
-    (@fwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _fwd_v $v _ $sfx>]: NormFwdArgs<$T> = |x, w, b, y, mean, rstd, rows, cols, eps|
-            fwd_reg::<$T, $N, $v>(x, w, b, y, mean, rstd, rows, cols, eps));
-    } )* };
-    (@bwd $T:ty, $sfx:ident, $op:ident, $N:ident, $($v:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _bwd_v $v _ $sfx>]: NormBwdArgs<$T> =
-            |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, 1>(x, w, g, mean, rstd, gx, partial, rows, cols));
-    } )* };
-    // Few rows in column slices, the grid one cluster of K blocks: `<op>_bwd_slices_k<K>_v<V>_<dtype>`.
-    (@slices $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, $($v:literal)*) => { $( paste::paste! {
+    // Few rows in column slices, the grid one cluster of K blocks (sm_90 only, as the clusters).
+    (@slices $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, [$($v:literal)*]) => { $( paste::paste! {
+        #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
         $crate::kernel!([<$op _bwd_slices_k $k _v $v _ $sfx>]: NormBwdOneArgs<$T> =
             |x, w, g, mean, rstd, gx, dw, db, rows, cols|
             bwd_slices::<$T, $N, $v, $k>(x, w, g, mean, rstd, gx, (dw, db), rows, cols));
     } )* };
-    // Clusters of C blocks, V vectors a thread: `<op>_bwd_c<C>_v<V>_<dtype>`.
-    (@bwdc $T:ty, $sfx:ident, $op:ident, $N:ident, $v:literal, $($c:literal)*) => { $( paste::paste! {
-        $crate::kernel!([<$op _bwd_c $c _v $v _ $sfx>]: NormBwdArgs<$T> =
-            |x, w, g, mean, rstd, gx, partial, rows, cols|
-            bwd_reg::<$T, $N, $v, $c>(x, w, g, mean, rstd, gx, partial, rows, cols));
-    } )* };
-}
-crate::for_each_elem!(norm_kernels);
-// As softmax: eight vectors per thread for rows of up to 32768, f32 in a 1024-thread group, f16/
-// bf16 rows of 16385 to 32768 in up to 512 threads, two blocks an SM (bf16 layer norm at 4096 x
-// 32768 ran faster with eight than with four vectors in 1024 threads; at 8192 x 8192 eight were
-// slower than four, so the host offers them only to the long rows: docs/worklog.md, 2026-11-23c).
-// The row, its second reduction, the weights and biases fit 64 registers since the changes of
-// 2026-11-26g to `finish` and the output (8-24 bytes of spill before, on sm_80 and sm_90).
-norm_kernels!(@fwd f32, f32, layer_norm, Layer, 8);
-norm_kernels!(@fwd f32, f32, rms_norm, Rms, 8);
-norm_kernels!(@fwd crate::dtype::BF16, bf16, layer_norm, Layer, 8);
-norm_kernels!(@fwd crate::dtype::BF16, bf16, rms_norm, Rms, 8);
-norm_kernels!(@fwd crate::dtype::F16, f16, layer_norm, Layer, 8);
-norm_kernels!(@fwd crate::dtype::F16, f16, rms_norm, Rms, 8);
-norm_kernels!(@bwd f32, f32, layer_norm, Layer, 4);
-norm_kernels!(@bwd f32, f32, rms_norm, Rms, 4);
-
-// Rows of 16K-64K elements (32768 is the suite's long row) held by clusters of 4 or 8 blocks of
-// up to 1024 threads (sm_90 only; older GPUs stream them), two vectors of x and of g a thread
-// (eight f32 or sixteen f16/bf16 elements each) within 64 registers. One vector of f16/bf16 a
-// thread measured slower at 4096 x 32768 bf16 than two, which spread a row's fixed costs (two
-// reductions, the exchange, index arithmetic) over twice the elements. Four
-// of f16/bf16 spill 180-190 bytes at 64 registers.
-#[cfg(target_feature = "sm_90")]
-macro_rules! norm_cluster_kernels {
-    ($T:ty, $sfx:ident, $v:literal) => {
-        norm_kernels!(@bwdc $T, $sfx, layer_norm, Layer, $v, 4 8);
-        norm_kernels!(@bwdc $T, $sfx, rms_norm, Rms, $v, 4 8);
+    (@table $sfx:ident, $op:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*], $cv:literal,
+        [$($k:literal)*], $s:tt) => {
+        paste::paste! {
+            NormOp {
+                fwd: RowKernels::new(&[
+                    $( (RowVariant::Reg($f), [<$op _fwd_v $f _ $sfx>]), )*
+                    (RowVariant::Stream, [<$op _fwd_stream_ $sfx>]),
+                ]),
+                bwd: RowKernels::new(&[
+                    $( (RowVariant::Reg($b), [<$op _bwd_v $b _ $sfx>]), )*
+                    $( (RowVariant::Cluster($c, $cv), [<$op _bwd_c $c _v $cv _ $sfx>]), )*
+                    (RowVariant::Stream, [<$op _bwd_stream_ $sfx>]),
+                ]),
+                slices: &[ $( norm_family!(@slices_table $sfx, $op, $k, $s), )* ],
+                colgrad: [<$op _colgrad_ $sfx>],
+            }
+        }
+    };
+    (@slices_table $sfx:ident, $op:ident, $k:literal, [$($v:literal)*]) => {
+        paste::paste! {
+            SlicesKernels { blocks: $k, kernels: &[ $( ($v, [<$op _bwd_slices_k $k _v $v _ $sfx>]), )* ] }
+        }
     };
 }
-#[cfg(target_feature = "sm_90")]
-crate::for_each_elem!(norm_cluster_kernels, 2);
 
+// The instances, in one place.
+//
+// Forward: as softmax, eight vectors per thread for rows of up to 32768, f32 in a 1024-thread
+// group, f16/bf16 rows of 16385 to 32768 in up to 512 threads, two blocks an SM (bf16 layer norm
+// at 4096 x 32768 ran faster with eight than with four vectors in 1024 threads; at 8192 x 8192
+// eight were slower than four, so the host offers them only to the long rows: docs/worklog.md,
+// 2026-11-23c). The row, its second reduction, the weights and biases fit 64 registers since the
+// changes of 2026-11-26g to `finish` and the output (8-24 bytes of spill before, on sm_80 and
+// sm_90).
+//
+// Backward: it holds x, g and the weights in registers: four vectors of f32 (two of f16/bf16) at
+// most. Rows of 16K-64K elements (32768 is the suite's long row) held by clusters of 4 or 8
+// blocks of up to 1024 threads (sm_90 only; older GPUs stream them), two vectors of x and of g a
+// thread (eight f32 or sixteen f16/bf16 elements each) within 64 registers. One vector of
+// f16/bf16 a thread measured slower at 4096 x 32768 bf16 than two, which spread a row's fixed
+// costs (two reductions, the exchange, index arithmetic) over twice the elements. Four of
+// f16/bf16 spill 180-190 bytes at 64 registers.
+//
 // Launches of few rows with parameter gradients in column slices (`bwd_slices`): one cluster of
 // eight or sixteen blocks of up to 512 threads, each thread one vector of its slice in up to
 // eight rows (four of f16/bf16: eight spill 12 bytes at 128 registers).
-#[cfg(target_feature = "sm_90")]
-macro_rules! norm_slices_kernels {
-    ($T:ty, $sfx:ident, $($v:literal)*) => {
-        norm_kernels!(@slices $T, $sfx, layer_norm, Layer, 8, $($v)*);
-        norm_kernels!(@slices $T, $sfx, rms_norm, Rms, 8, $($v)*);
-        norm_kernels!(@slices $T, $sfx, layer_norm, Layer, 16, $($v)*);
-        norm_kernels!(@slices $T, $sfx, rms_norm, Rms, 16, $($v)*);
-    };
+norm_family! {
+    f32, f32, NORM_F32:
+        fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4 8];
+    crate::dtype::F16, f16, NORM_F16:
+        fwd [1 2 4 8] bwd [1 2] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4];
+    crate::dtype::BF16, bf16, NORM_BF16:
+        fwd [1 2 4 8] bwd [1 2] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4];
 }
-#[cfg(target_feature = "sm_90")]
-norm_slices_kernels!(f32, f32, 1 2 4 8);
-#[cfg(target_feature = "sm_90")]
-norm_slices_kernels!(crate::dtype::F16, f16, 1 2 4);
-#[cfg(target_feature = "sm_90")]
-norm_slices_kernels!(crate::dtype::BF16, bf16, 1 2 4);
