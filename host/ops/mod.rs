@@ -28,8 +28,7 @@ pub use transpose::*;
 /// Every kernel the families other than the element-wise ops launch (softmax, norms,
 /// cross-entropy, reductions, transpose, the GEMM, init and the optimizer), with the parameter
 /// count of the signature the host launches it with; checked against the PTX by `tests/cpu.rs`.
-/// Softmax, cross-entropy, the reductions, transpose, init and the optimizer derive theirs from their
-/// declarations' typed handles.
+/// All but the norms derive theirs from their declarations' typed handles.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
@@ -37,7 +36,8 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::reduce::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::transpose::all_kernels().map(|k| (k.name.to_string(), k.arity)));
-    v.extend(gemm::launched_kernels());
+    v.extend(kernels_gpu::gemm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v
