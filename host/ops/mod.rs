@@ -26,7 +26,8 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the families other than the element-wise ops launch (softmax, norms,
-/// cross-entropy, reductions, transpose, the GEMM, init and the optimizer), with the parameter
+/// cross-entropy, reductions, transpose, the GEMM, init, the optimizer, the casts and the math
+/// probe), with the parameter
 /// count of the signature the host launches it with; checked against the PTX by `tests/cpu.rs`.
 /// All but the norms derive theirs from their declarations' typed handles.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
@@ -40,6 +41,8 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v
 }
 
