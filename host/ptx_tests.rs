@@ -4,13 +4,11 @@
 
 use crate::DType;
 use crate::device::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
-use kernels_gpu::cast::{CastArgs, cast_kernel};
 use kernels_gpu::elementwise::{
     BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
     colsum_finish_kernel,
 };
 use kernels_gpu::kernel::Params;
-use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
 use kernels_gpu::ops::{Activation, Binary, OutputGrad, PowForm, Unary};
 use kernels_gpu::{BF16, F16};
 use std::collections::BTreeMap;
@@ -101,13 +99,6 @@ fn host_kernels() -> BTreeMap<String, usize> {
         }
         put(colsum_finish_kernel(dt), c);
     }
-    for (from, to) in DType::ALL.into_iter().flat_map(|a| DType::ALL.map(|b| (a, b))) {
-        if let Some(name) = cast_kernel(from, to) {
-            m.insert(name.into(), arity::<CastArgs<f32, f32>>());
-        }
-    }
-    m.insert("math_probe_f32".into(), arity::<MathProbeArgs>());
-    m.insert(MATH_PROBE_POW.into(), arity::<MathProbePowArgs>());
     // The other families list their own, from their declarations (see `row_family_kernels`).
     for (name, n) in crate::ops::row_family_kernels() {
         assert!(m.insert(name.clone(), n).is_none(), "`{name}` listed twice");

@@ -17,11 +17,10 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::gemm::{
-    BK, EPI_GELU, EPI_GELU_TANH, EPI_IDENTITY, EPI_RELU, EPI_SILU, GemmArgs, SPLITK_REDUCE_KERNEL, SPLITK_THREADS,
-    SplitKReduceArgs, TILE_128, TILES, Tile, gemm_kernel,
+    BK, EPI_GELU, EPI_GELU_TANH, EPI_IDENTITY, EPI_RELU, EPI_SILU, GemmArgs, SPLITK_THREADS, SplitKReduceArgs,
+    TILE_128, Tile, gemm_kernel, gemm_splitk_reduce,
 };
-use kernels_gpu::gemm_tf32x3::{self as tf32x3, TF32X3_KERNELS, tf32x3_kernel};
-use kernels_gpu::kernel::Params;
+use kernels_gpu::gemm_tf32x3::{self as tf32x3, tf32x3_kernel};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -440,7 +439,7 @@ pub(crate) fn gemm_dims(
     );
     // SAFETY: ws holds `splits` slices of m x n floats, c is m x n (contiguous, ldc = n), bias
     // null or n floats; one thread per 4 columns of a row, the grid covers m * ceil(n / 4).
-    unsafe { dev.launch(SPLITK_REDUCE_KERNEL, cfg, args) }
+    unsafe { dev.launch(gemm_splitk_reduce, cfg, args) }
 }
 
 /// `C = alpha * op(A) @ op(B) + beta * C` (see [`gemm_ex`] for the shapes).
@@ -461,21 +460,6 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let mut c = Tensor::alloc(op, a.device(), &shape, DType::F32)?;
     gemm(a, b, &mut c, Gemm::default())?;
     Ok(c)
-}
-
-/// Every kernel this module launches, with the parameter count of its signature.
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    let mut v = Vec::new();
-    for tile in TILES {
-        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-            v.push((gemm_kernel(ta, tb, tile).to_string(), <GemmArgs as Params>::ARITY));
-        }
-    }
-    for name in TF32X3_KERNELS {
-        v.push((name.to_string(), <GemmArgs as Params>::ARITY));
-    }
-    v.push((SPLITK_REDUCE_KERNEL.to_string(), <SplitKReduceArgs as Params>::ARITY));
-    v
 }
 
 impl Tensor {

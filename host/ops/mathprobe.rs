@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 pub use kernels_gpu::mathprobe::MathFn;
-use kernels_gpu::mathprobe::{MATH_PROBE_POW, MathProbeArgs, MathProbePowArgs};
+use kernels_gpu::mathprobe::{MathProbeArgs, MathProbePowArgs, math_probe_f32, math_probe_pow_f32};
 
 /// `f(x)` for an f32 tensor, computed on the GPU by the library's own math.
 pub fn math_probe(x: &Tensor, f: MathFn) -> Result<Tensor> {
@@ -18,15 +18,14 @@ pub fn math_probe(x: &Tensor, f: MathFn) -> Result<Tensor> {
         return Err(Error::DTypeMismatch { op, expected: DType::F32, got: x.dtype() });
     }
     let mut y = x.alloc_like(op)?;
-    let kernel = "math_probe_f32";
     let dev = x.device();
     let n = x.numel() as u64;
-    let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
+    let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(math_probe_f32.name())?) else {
         return Ok(y);
     };
     let args: MathProbeArgs = (x.dev_ptr(), y.dev_ptr_mut()?, n, f as u32);
     // SAFETY: x and y hold n f32 values.
-    unsafe { dev.launch(kernel, cfg, args) }?;
+    unsafe { dev.launch(math_probe_f32, cfg, args) }?;
     Ok(y)
 }
 
@@ -44,11 +43,12 @@ pub fn math_probe_pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
     let mut out = x.alloc_like(op)?;
     let dev = x.device();
     let n = x.numel() as u64;
-    let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(MATH_PROBE_POW)?) else {
+    let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(math_probe_pow_f32.name())?)
+    else {
         return Ok(out);
     };
     let args: MathProbePowArgs = (x.dev_ptr(), y.dev_ptr(), out.dev_ptr_mut()?, n);
     // SAFETY: x, y and out hold n f32 values each.
-    unsafe { dev.launch(MATH_PROBE_POW, cfg, args) }?;
+    unsafe { dev.launch(math_probe_pow_f32, cfg, args) }?;
     Ok(out)
 }

@@ -26,20 +26,23 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the families other than the element-wise ops launch (softmax, norms,
-/// cross-entropy, reductions, transpose, the GEMM, init and the optimizer), with the parameter
-/// count of the signature the host launches it with; checked against the PTX by `tests/cpu.rs`.
-/// Softmax, the norms, cross-entropy, transpose, init and the optimizer derive theirs from their
-/// declarations' typed handles.
+/// cross-entropy, reductions, transpose, the GEMM, init, the optimizer, the casts and the math
+/// probe), with the parameter count of the signature the host launches it with; checked against
+/// the PTX by the crate's unit tests (`host/ptx_tests.rs`).
+/// Each derives its list from its declaration's typed handles.
 pub fn row_family_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
     v.extend(kernels_gpu::norm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
-    v.extend(reduce::launched_kernels());
+    v.extend(kernels_gpu::reduce::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::transpose::all_kernels().map(|k| (k.name.to_string(), k.arity)));
-    v.extend(gemm::launched_kernels());
+    v.extend(kernels_gpu::gemm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v
 }
 

@@ -15,11 +15,11 @@ use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::rows;
 use crate::tensor::{IndexTensor, Tensor};
-use kernels_gpu::kernel::Params;
+use kernels_gpu::kernel::Kernel;
 use kernels_gpu::norm::{COLSUM_LANES, NormColsumArgs};
 use kernels_gpu::reduce::{
-    ArgmaxFinalArgs, ArgmaxPartArgs, ArgmaxRowsArgs, COLS_BLOCK, PART_BLOCK, ReduceColsArgs, ReduceFinalArgs,
-    ReducePartArgs, ReduceRowsArgs, UNROLL, cols_smem_bytes,
+    ArgmaxFinalArgs, ArgmaxPartArgs, ArgmaxRowsArgs, COLS_BLOCK, PART_BLOCK, ReduceColsArgs, ReduceElem,
+    ReduceFinalArgs, ReduceOpKernels, ReducePartArgs, ReduceRowsArgs, UNROLL, cols_smem_bytes, reduce_argmax_final,
 };
 use kernels_gpu::rows::{MAX_GROUP, reduce_smem_bytes};
 
@@ -189,59 +189,35 @@ pub(crate) fn cols_sum_depth(rows: u64, plan: &ColsPlan) -> u64 {
 
 // --- launches -----------------------------------------------------------------------------------
 
-/// The kernels of `op` for `dt`: (stage 1, stage 2, rows).
-fn kernels(op: ReduceOp, dt: DType) -> [&'static str; 3] {
-    use kernels_gpu::kernel_name as k;
+/// `T`'s kernels of `op` (stage 1, stage 2, rows); the mean is the scaled sum.
+fn op_kernels<T: ReduceElem>(op: ReduceOp) -> ReduceOpKernels<T> {
     match op {
-        ReduceOp::Sum | ReduceOp::Mean => {
-            [k!("reduce_sum_all", dt), k!("reduce_sum_final", dt), k!("reduce_sum_rows", dt)]
-        }
-        ReduceOp::Max => [k!("reduce_max_all", dt), k!("reduce_max_final", dt), k!("reduce_max_rows", dt)],
-        ReduceOp::Min => [k!("reduce_min_all", dt), k!("reduce_min_final", dt), k!("reduce_min_rows", dt)],
+        ReduceOp::Sum | ReduceOp::Mean => T::REDUCE.sum,
+        ReduceOp::Max => T::REDUCE.max,
+        ReduceOp::Min => T::REDUCE.min,
     }
 }
 
-/// The argmax kernels for `dt`: (stage 1, stage 2, rows).
-fn argmax_kernels(dt: DType) -> [&'static str; 3] {
-    use kernels_gpu::kernel_name as k;
-    [k!("reduce_argmax_all", dt), "reduce_argmax_final", k!("reduce_argmax_rows", dt)]
+/// The names of the two stages of `op` for `dt`, for the plan's occupancy queries.
+fn stage_names(op: ReduceOp, dt: DType) -> [&'static str; 2] {
+    with_elem!(dt, |T| {
+        let k = op_kernels::<T>(op);
+        [k.all.name(), k.fin.name()]
+    })
 }
 
-/// The stage-1 kernel of the sums over the leading dimensions for `dt`, for rows of whole 16-byte
+/// The names of the two argmax stages for `dt`.
+fn argmax_stage_names(dt: DType) -> [&'static str; 2] {
+    with_elem!(dt, |T| [T::REDUCE.argmax_all.name(), reduce_argmax_final.name()])
+}
+
+/// `T`'s stage-1 kernel of the sums over the leading dimensions, for rows of whole 16-byte
 /// vectors (`aligned`) or not; stage 2 is `norm_colsum` (listed by norm.rs).
-fn cols_kernel(dt: DType, aligned: bool) -> &'static str {
-    if aligned {
-        kernels_gpu::kernel_name!("reduce_sum_cols", dt)
-    } else {
-        kernels_gpu::kernel_name!("reduce_sum_cols_unaligned", dt)
-    }
+fn cols_kernel<T: ReduceElem>(aligned: bool) -> Kernel<ReduceColsArgs<T>> {
+    if aligned { T::REDUCE.sum_cols } else { T::REDUCE.sum_cols_unaligned }
 }
 
-/// Every kernel this module launches, with the parameter count of its signature.
-pub(crate) fn launched_kernels() -> Vec<(String, usize)> {
-    fn arity<A: Params>() -> usize {
-        A::ARITY
-    }
-    let mut v = Vec::new();
-    for dt in DType::ALL {
-        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
-            let [a, f, r] = kernels(op, dt);
-            v.push((a.to_string(), arity::<ReducePartArgs<f32>>()));
-            v.push((f.to_string(), arity::<ReduceFinalArgs<f32>>()));
-            v.push((r.to_string(), arity::<ReduceRowsArgs<f32>>()));
-        }
-        let [a, _, r] = argmax_kernels(dt);
-        v.push((a.to_string(), arity::<ArgmaxPartArgs<f32>>()));
-        v.push((r.to_string(), arity::<ArgmaxRowsArgs<f32>>()));
-        for aligned in [true, false] {
-            v.push((cols_kernel(dt, aligned).to_string(), arity::<ReduceColsArgs<f32>>()));
-        }
-    }
-    v.push((argmax_kernels(DType::F32)[1].to_string(), arity::<ArgmaxFinalArgs>()));
-    v
-}
-
-fn plan_for(dev: &Device, n: u64, dt: DType, [part, finish, _]: [&str; 3]) -> Result<Option<ReducePlan>> {
+fn plan_for(dev: &Device, n: u64, dt: DType, [part, finish]: [&str; 2]) -> Result<Option<ReducePlan>> {
     Ok(reduce_plan(
         n,
         dt.size() as u64,
@@ -266,8 +242,7 @@ fn scale(op: ReduceOp, n: u64) -> f32 {
 /// device address `out`.
 fn launch_whole(name: &'static str, x: &Tensor, op: ReduceOp, out: u64) -> Result<()> {
     let (dev, dt, n) = (x.device(), x.dtype(), x.numel() as u64);
-    let ks = kernels(op, dt);
-    let plan = plan_for(dev, n, dt, ks)?.expect("n > 0");
+    let plan = plan_for(dev, n, dt, stage_names(op, dt))?.expect("n > 0");
     let mut partial = match plan.finish {
         Some(_) => Some(Tensor::alloc(name, dev, &[plan.parts as usize], DType::F32)?),
         None => None,
@@ -278,14 +253,14 @@ fn launch_whole(name: &'static str, x: &Tensor, op: ReduceOp, out: u64) -> Resul
         let args: ReducePartArgs<T> = (x.dev_ptr(), n, pp as *mut f32, out as *mut T, s);
         // SAFETY: x holds n elements of T; out one; partial (when the grid has more than one
         // block) one f32 per block of plan.part.
-        unsafe { dev.launch(ks[0], plan.part, args) }
+        unsafe { dev.launch(op_kernels::<T>(op).all, plan.part, args) }
     })?;
     if let Some(cfg) = plan.finish {
         with_elem!(dt, |T| {
             let args: ReduceFinalArgs<T> = (pp as *const f32, plan.parts as u64, out as *mut T, s);
             // SAFETY: partial holds plan.parts floats, written by stage 1 (earlier on the stream);
             // `reduce_final` waits for stage 1 before its first access.
-            unsafe { dev.launch_dependent(ks[1], cfg, args) }
+            unsafe { dev.launch_dependent(op_kernels::<T>(op).fin, cfg, args) }
         })?;
     }
     // The partials are freed stream-ordered, after stage 2.
@@ -296,8 +271,7 @@ fn launch_whole(name: &'static str, x: &Tensor, op: ReduceOp, out: u64) -> Resul
 /// Argmax of the `n > 0` elements of `x`, written as one i64 at device address `out`.
 fn launch_argmax_whole(name: &'static str, x: &Tensor, out: u64) -> Result<()> {
     let (dev, dt, n) = (x.device(), x.dtype(), x.numel() as u64);
-    let ks = argmax_kernels(dt);
-    let plan = plan_for(dev, n, dt, ks)?.expect("n > 0");
+    let plan = plan_for(dev, n, dt, argmax_stage_names(dt))?.expect("n > 0");
     let mut parts = match plan.finish {
         Some(_) => Some((
             Tensor::alloc(name, dev, &[plan.parts as usize], DType::F32)?,
@@ -313,13 +287,13 @@ fn launch_argmax_whole(name: &'static str, x: &Tensor, out: u64) -> Result<()> {
         let args: ArgmaxPartArgs<T> = (x.dev_ptr(), n, pv as *mut f32, pi as *mut u64, out as *mut i64);
         // SAFETY: x holds n elements of T; out one index; the partial arrays (when the grid has
         // more than one block) one entry per block.
-        unsafe { dev.launch(ks[0], plan.part, args) }
+        unsafe { dev.launch(T::REDUCE.argmax_all, plan.part, args) }
     })?;
     if let Some(cfg) = plan.finish {
         let args: ArgmaxFinalArgs = (pv as *const f32, pi as *const u64, plan.parts as u64, out as *mut i64);
         // SAFETY: both partial arrays hold plan.parts entries, written by stage 1; `argmax_final`
         // waits for stage 1 before its first access.
-        unsafe { dev.launch_dependent(ks[1], cfg, args) }?;
+        unsafe { dev.launch_dependent(reduce_argmax_final, cfg, args) }?;
     }
     drop(parts);
     Ok(())
@@ -389,14 +363,14 @@ pub fn reduce_last_dim(x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         // One row is the whole tensor: its reduction spreads the row over every SM.
         1 => launch_whole(name, x, op, op_ptr)?,
         _ => {
-            let k = kernels(op, dt)[2];
+            let k = with_elem!(dt, |T| op_kernels::<T>(op).rows.name());
             let g = reduce_row_group(cols, vec_width(dt), dev.max_threads(k)?);
             let cfg = rows::grid(rows, g).expect("rows > 0");
             let s = scale(op, cols);
             with_elem!(dt, |T| {
                 let args: ReduceRowsArgs<T> = (x.dev_ptr(), op_ptr as *mut T, rows, cols, s);
                 // SAFETY: x holds rows * cols elements of T, out rows.
-                unsafe { dev.launch(k, cfg, args) }
+                unsafe { dev.launch(op_kernels::<T>(op).rows, cfg, args) }
             })?;
         }
     }
@@ -418,13 +392,13 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
         0 => {}
         1 => launch_argmax_whole(name, x, op_ptr)?,
         _ => {
-            let k = argmax_kernels(dt)[2];
+            let k = with_elem!(dt, |T| T::REDUCE.argmax_rows.name());
             let g = reduce_row_group(cols, vec_width(dt), dev.max_threads(k)?);
             let cfg = rows::grid(rows, g).expect("rows > 0");
             with_elem!(dt, |T| {
                 let args: ArgmaxRowsArgs<T> = (x.dev_ptr(), op_ptr as *mut i64, rows, cols);
                 // SAFETY: x holds rows * cols elements of T, out rows indices.
-                unsafe { dev.launch(k, cfg, args) }
+                unsafe { dev.launch(T::REDUCE.argmax_rows, cfg, args) }
             })?;
         }
     }
@@ -433,7 +407,7 @@ pub fn argmax_last_dim(x: &Tensor) -> Result<IndexTensor> {
 
 fn cols_plan_for(dev: &Device, rows: u64, cols: u64, dt: DType) -> Result<Option<ColsPlan>> {
     let vec = vec_width(dt);
-    let k = cols_kernel(dt, cols.is_multiple_of(vec));
+    let k = with_elem!(dt, |T| cols_kernel::<T>(cols.is_multiple_of(vec)).name());
     let bps = dev.blocks_per_sm(k, COLS_BLOCK, cols_smem_bytes(vec as u32))?;
     Ok(cols_plan(rows, cols, vec, dev.sm_count(), bps))
 }
@@ -490,7 +464,7 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
         message: format!("{cols} columns need more than 2^31 - 1 blocks (shape {:?})", x.shape()),
     })?;
     // The plan above sized its grid for this kernel's occupancy.
-    let k = cols_kernel(dt, cols.is_multiple_of(vec_width(dt)));
+    let aligned = cols.is_multiple_of(vec_width(dt));
     let mut partial = match plan.chunks {
         1 => None,
         c => Some(Tensor::alloc(name, dev, &[c as usize, cols as usize], DType::F32)?),
@@ -501,7 +475,7 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
         let args: ReduceColsArgs<T> = (x.dev_ptr(), pp as *mut f32, op_ptr as *mut T, rows, cols, s);
         // SAFETY: x holds rows * cols elements of T, out cols (checked above); partial (with more
         // than one chunk) chunks * cols floats, chunks = grid.y; the shared memory is the plan's.
-        unsafe { dev.launch(k, plan.cfg, args) }
+        unsafe { dev.launch(cols_kernel::<T>(aligned), plan.cfg, args) }
     })?;
     if plan.chunks > 1 {
         let cfg = LaunchConfig {
@@ -509,8 +483,8 @@ fn leading_dims_into(name: &'static str, x: &Tensor, op: ReduceOp, out: &mut Ten
             block: (32, COLSUM_LANES, 1),
             shared_bytes: 32 * COLSUM_LANES * 4,
         };
-        let finish = kernels_gpu::kernel_name!("norm_colsum", dt);
         with_elem!(dt, |T| {
+            let finish = <T as kernels_gpu::norm::NormElem>::NORM.colsum;
             // grid.y = 1: norm_colsum writes only its first output (the second is null).
             let args: NormColsumArgs<T> =
                 (pp as *const f32, op_ptr as *mut T, std::ptr::null_mut(), plan.chunks as u64, cols);
@@ -530,7 +504,7 @@ pub fn reduce_leading_dims_sum_depth(x: &Tensor) -> Result<u64> {
     let (dev, dt) = (x.device(), x.dtype());
     let (rows, cols) = rows_cols("reduce_leading_dims_sum_depth", x)?;
     if cols == 1 {
-        return Ok(plan_for(dev, rows, dt, kernels(ReduceOp::Sum, dt))?
+        return Ok(plan_for(dev, rows, dt, stage_names(ReduceOp::Sum, dt))?
             .map_or(0, |p| whole_sum_depth(rows, vec_width(dt), &p)));
     }
     Ok(cols_plan_for(dev, rows, cols, dt)?.map_or(0, |p| cols_sum_depth(rows, &p)))
@@ -546,11 +520,11 @@ pub fn reduce_sum_depth(x: &Tensor, last_dim: bool) -> Result<u64> {
     let (rows, cols, _) = as_rows("reduce_sum_depth", x)?;
     let vec = vec_width(dt);
     if last_dim && rows > 1 {
-        let k = kernels(ReduceOp::Sum, dt)[2];
+        let k = with_elem!(dt, |T| T::REDUCE.sum.rows.name());
         return Ok(rows_sum_depth(cols, vec, reduce_row_group(cols, vec, dev.max_threads(k)?)));
     }
     let n = if last_dim { cols } else { x.numel() as u64 };
-    Ok(plan_for(dev, n, dt, kernels(ReduceOp::Sum, dt))?.map_or(0, |p| whole_sum_depth(n, vec, &p)))
+    Ok(plan_for(dev, n, dt, stage_names(ReduceOp::Sum, dt))?.map_or(0, |p| whole_sum_depth(n, vec, &p)))
 }
 
 /// Reductions as methods.

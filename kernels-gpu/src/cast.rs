@@ -2,26 +2,17 @@
 //! and signed zeros kept, a NaN staying a NaN (its payload is the hardware's). Widening (f16 or
 //! bf16 to f32) is exact; f16 <-> bf16 widens to f32 first, which is exact, so it rounds once.
 
-use crate::DType;
-
 /// `(x, y, n)`: `y[i] = x[i]` converted, for `i < n`.
 pub type CastArgs<S, D> = (*const S, *mut D, u64);
 
 /// Elements a thread converts at a time: one 16-byte vector of f16 or bf16, two of f32.
 pub const GROUP: u64 = 8;
 
-/// Name of the kernel casting `from` into `to`; `None` when they are the same type (there is no
-/// kernel for that: the host shares the tensor instead).
-pub const fn cast_kernel(from: DType, to: DType) -> Option<&'static str> {
-    match (from, to) {
-        (DType::F32, DType::F16) => Some("cast_f32_to_f16"),
-        (DType::F32, DType::BF16) => Some("cast_f32_to_bf16"),
-        (DType::F16, DType::F32) => Some("cast_f16_to_f32"),
-        (DType::F16, DType::BF16) => Some("cast_f16_to_bf16"),
-        (DType::BF16, DType::F32) => Some("cast_bf16_to_f32"),
-        (DType::BF16, DType::F16) => Some("cast_bf16_to_f16"),
-        (DType::F32, DType::F32) | (DType::F16, DType::F16) | (DType::BF16, DType::BF16) => None,
-    }
+/// The kernel casting `Self` into `D`, typed: `None` when they are the same type (there is no
+/// kernel for that: the host shares the tensor instead). Set by the declaration below.
+pub trait CastKernel<D: 'static>: Sized + 'static {
+    /// `cast_<Self>_to_<D>`, or `None` for `D = Self`.
+    const KERNEL: Option<crate::kernel::Kernel<CastArgs<Self, D>>>;
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -82,9 +73,21 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
+// The instances: every ordered pair of distinct storage types.
 macro_rules! cast_kernels {
     ($($name:ident: $S:ty => $D:ty;)*) => {
-        $( crate::kernel!($name: CastArgs<$S, $D> = |x, y, n| cast::<$S, $D>(x, y, n)); )*
+        $(
+            crate::kernel!($name: CastArgs<$S, $D> = |x, y, n| cast::<$S, $D>(x, y, n));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl CastKernel<$D> for $S {
+                const KERNEL: Option<crate::kernel::Kernel<CastArgs<$S, $D>>> = Some($name);
+            }
+        )*
+        /// Every kernel of the family: its name and arity (for the test against the PTX).
+        #[cfg(not(target_arch = "nvptx64"))]
+        pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+            [$($name.entry()),*].into_iter()
+        }
     };
 }
 cast_kernels! {
@@ -95,3 +98,14 @@ cast_kernels! {
     cast_bf16_to_f32: crate::BF16 => f32;
     cast_bf16_to_f16: crate::BF16 => crate::F16;
 }
+
+// A type into itself: no kernel.
+macro_rules! no_cast {
+    ($T:ty, $sfx:ident) => {
+        #[cfg(not(target_arch = "nvptx64"))]
+        impl CastKernel<$T> for $T {
+            const KERNEL: Option<crate::kernel::Kernel<CastArgs<$T, $T>>> = None;
+        }
+    };
+}
+crate::for_each_elem!(no_cast);

@@ -101,23 +101,43 @@ impl Tile {
 /// fill the GPU, the host splits K instead. (A 64 x 64 tile with 64 threads, two staged chunks
 /// per operand, spilled 264 bytes under ptxas for the `nn` and `tt` layouts; docs/worklog.md.)
 pub const TILE_128: Tile = Tile { bm: 128, bn: 128 };
-/// The tiles built.
-pub const TILES: [Tile; 1] = [TILE_128];
+/// The four kernels of one family and tile, one per layout: `nn`, `nt`, `tn`, `tt` (`t`: the
+/// operand, A then B, read as its transpose).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layouts(pub [crate::kernel::Kernel<GemmArgs>; 4]);
 
-/// Name of the GEMM kernel for the transposes of A and B and a tile of [`TILES`] (the only one
-/// built is [`TILE_128`]; the parameter keeps the callers ready for others).
-pub fn gemm_kernel(trans_a: bool, trans_b: bool, tile: Tile) -> &'static str {
-    debug_assert_eq!(tile, TILE_128, "only the 128 x 128 tile is built");
-    match (trans_a, trans_b) {
-        (false, false) => "gemm_nn_128x128",
-        (false, true) => "gemm_nt_128x128",
-        (true, false) => "gemm_tn_128x128",
-        (true, true) => "gemm_tt_128x128",
+impl Layouts {
+    /// The kernel for the transposes of A and B.
+    pub const fn of(&self, trans_a: bool, trans_b: bool) -> crate::kernel::Kernel<GemmArgs> {
+        self.0[2 * trans_a as usize + trans_b as usize]
     }
 }
 
-/// The split-K reduction's kernel name ([`SplitKReduceArgs`]).
-pub const SPLITK_REDUCE_KERNEL: &str = "gemm_splitk_reduce";
+/// A tile built and its kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileKernels {
+    /// The tile.
+    pub tile: Tile,
+    /// Its kernels by layout.
+    pub layouts: Layouts,
+}
+
+/// The GEMM kernel for the transposes of A and B and a tile of [`GEMM_TILES`] (the only one
+/// built is [`TILE_128`]; the parameter keeps the callers ready for others).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn gemm_kernel(trans_a: bool, trans_b: bool, tile: Tile) -> crate::kernel::Kernel<GemmArgs> {
+    let built = GEMM_TILES.iter().find(|t| t.tile == tile);
+    debug_assert!(built.is_some(), "only the tiles of GEMM_TILES are built");
+    built.unwrap_or(&GEMM_TILES[0]).layouts.of(trans_a, trans_b)
+}
+
+/// Every kernel of the family (the tiles' layouts and `gemm_splitk_reduce`): its name and arity
+/// (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    GEMM_TILES.iter().flat_map(|t| t.layouts.0.map(|k| k.entry())).chain(core::iter::once(gemm_splitk_reduce.entry()))
+}
+
 /// Threads per block of the split-K reduction.
 pub const SPLITK_THREADS: u32 = 256;
 
@@ -573,18 +593,31 @@ mod device {
     }
 }
 
+// The instances: per tile, its kernels in the order of `Layouts`. The names carry the tile: the
+// PTX build reads the launch bounds from them (`gemm_launch_bounds`).
 macro_rules! gemm_kernels {
-    ($($name:ident: $bm:literal x $bn:literal, $cha:literal, $chb:literal, $ta:literal, $tb:literal;)*) => {$(
+    ($($tile:ident: $bm:literal x $bn:literal, $cha:literal, $chb:literal =>
+        [$nn:ident, $nt:ident, $tn:ident, $tt:ident];)*) => {
+        $(
+            const _: () = assert!($tile.bm == $bm && $tile.bn == $bn);
+            gemm_kernels!(@one $nn: $bm x $bn, $cha, $chb, false, false);
+            gemm_kernels!(@one $nt: $bm x $bn, $cha, $chb, false, true);
+            gemm_kernels!(@one $tn: $bm x $bn, $cha, $chb, true, false);
+            gemm_kernels!(@one $tt: $bm x $bn, $cha, $chb, true, true);
+        )*
+        /// The tiles built, with their kernels.
+        #[cfg(not(target_arch = "nvptx64"))]
+        pub const GEMM_TILES: &[TileKernels] =
+            &[$(TileKernels { tile: $tile, layouts: Layouts([$nn, $nt, $tn, $tt]) }),*];
+    };
+    (@one $name:ident: $bm:literal x $bn:literal, $cha:literal, $chb:literal, $ta:literal, $tb:literal) => {
         crate::kernel!($name: GemmArgs = |a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi|
             device::gemm::<$bm, $bn, $cha, $chb, $ta, { !$ta }, $tb>(a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi));
-    )*};
+    };
 }
 
 gemm_kernels! {
-    gemm_nn_128x128: 128 x 128, 1, 1, false, false;
-    gemm_nt_128x128: 128 x 128, 1, 1, false, true;
-    gemm_tn_128x128: 128 x 128, 1, 1, true, false;
-    gemm_tt_128x128: 128 x 128, 1, 1, true, true;
+    TILE_128: 128 x 128, 1, 1 => [gemm_nn_128x128, gemm_nt_128x128, gemm_tn_128x128, gemm_tt_128x128];
 }
 
 crate::kernel!(gemm_splitk_reduce: SplitKReduceArgs = |ws, c, bias, m, n, ldc, splits, alpha, beta, epi|

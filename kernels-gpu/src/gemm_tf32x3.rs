@@ -65,18 +65,17 @@ pub const STAGE_BYTES: u32 = 2 * OPERAND_BYTES;
 /// Dynamic shared memory of a block.
 pub const SMEM_BYTES: u32 = STAGES * STAGE_BYTES;
 
-/// Name of the 3xTF32 kernel for the transposes of A and B.
-pub fn tf32x3_kernel(trans_a: bool, trans_b: bool) -> &'static str {
-    match (trans_a, trans_b) {
-        (false, false) => "gemm_tf32x3_nn",
-        (false, true) => "gemm_tf32x3_nt",
-        (true, false) => "gemm_tf32x3_tn",
-        (true, true) => "gemm_tf32x3_tt",
-    }
+/// The 3xTF32 kernel for the transposes of A and B.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn tf32x3_kernel(trans_a: bool, trans_b: bool) -> crate::kernel::Kernel<GemmArgs> {
+    TF32X3.of(trans_a, trans_b)
 }
 
-/// Every kernel of this family.
-pub const TF32X3_KERNELS: [&str; 4] = ["gemm_tf32x3_nn", "gemm_tf32x3_nt", "gemm_tf32x3_tn", "gemm_tf32x3_tt"];
+/// Every kernel of this family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    TF32X3.0.map(|k| k.entry()).into_iter()
+}
 
 /// `x = hi + lo` as the tensor cores take them (TF32 in the bits of an f32). `hi` is `x` rounded
 /// to TF32, to nearest with ties away from zero (`cvt.rna.tf32.f32`, written as integer
@@ -362,16 +361,21 @@ mod device {
     }
 }
 
+// The instances, in the order of `Layouts`.
 macro_rules! tf32x3_kernels {
-    ($($name:ident: $ta:literal, $tb:literal;)*) => {$(
+    ([$nn:ident, $nt:ident, $tn:ident, $tt:ident]) => {
+        tf32x3_kernels!(@one $nn: false, false);
+        tf32x3_kernels!(@one $nt: false, true);
+        tf32x3_kernels!(@one $tn: true, false);
+        tf32x3_kernels!(@one $tt: true, true);
+        /// The family's kernels by layout.
+        #[cfg(not(target_arch = "nvptx64"))]
+        pub const TF32X3: crate::gemm::Layouts = crate::gemm::Layouts([$nn, $nt, $tn, $tt]);
+    };
+    (@one $name:ident: $ta:literal, $tb:literal) => {
         crate::kernel!($name: GemmArgs = |a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi|
             device::gemm::<$ta, { !$ta }, $tb>(a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi));
-    )*};
+    };
 }
 
-tf32x3_kernels! {
-    gemm_tf32x3_nn: false, false;
-    gemm_tf32x3_nt: false, true;
-    gemm_tf32x3_tn: true, false;
-    gemm_tf32x3_tt: true, true;
-}
+tf32x3_kernels!([gemm_tf32x3_nn, gemm_tf32x3_nt, gemm_tf32x3_tn, gemm_tf32x3_tt]);

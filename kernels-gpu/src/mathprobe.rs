@@ -6,8 +6,6 @@
 pub type MathProbeArgs = (*const f32, *mut f32, u64, u32);
 /// `(x, y, out, n)`: `out[i] = fastmath::pow(x[i], y[i])`, the pow the kernels run.
 pub type MathProbePowArgs = (*const f32, *const f32, *mut f32, u64);
-/// The pow probe's kernel name.
-pub const MATH_PROBE_POW: &str = "math_probe_pow_f32";
 
 /// The functions the probe evaluates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,3 +112,10 @@ unsafe fn probe_pow(x: *const f32, y: *const f32, out: *mut f32, n: u64) {
 }
 
 crate::kernel!(math_probe_pow_f32: MathProbePowArgs = |x, y, out, n| probe_pow(x, y, out, n));
+
+/// Every kernel of the probe (`math_probe_f32`, `math_probe_pow_f32`): its name and arity (for
+/// the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    [math_probe_f32.entry(), math_probe_pow_f32.entry()].into_iter()
+}

@@ -46,6 +46,8 @@
 //! as `(-inf, NONE)`: a range of only `-inf` leaves `NONE`, which the finishing thread turns
 //! into the range's first index.
 
+use crate::kernel::Kernel;
+
 /// Stage 1 over a whole tensor: `(x, n, partial, out, scale)`. Block `b` writes the reduction of
 /// its share of `x[..n]` to `partial[b]`; a grid of one block instead writes the finished result
 /// `out[0] = op_finish(r, scale)` (then `partial` is unused and may be null).
@@ -566,6 +568,27 @@ macro_rules! reduce_kernels {
                 reduce_cols::<$T, true>(x, partial, out, rows, cols, scale));
             $crate::kernel!([<reduce_sum_cols_unaligned_ $sfx>]: ReduceColsArgs<$T> =
                 |x, partial, out, rows, cols, scale| reduce_cols::<$T, false>(x, partial, out, rows, cols, scale));
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl ReduceElem for $T {
+                const REDUCE: ReduceKernels<$T> = ReduceKernels {
+                    sum: reduce_kernels!(@table $sfx, sum),
+                    max: reduce_kernels!(@table $sfx, max),
+                    min: reduce_kernels!(@table $sfx, min),
+                    argmax_all: [<reduce_argmax_all_ $sfx>],
+                    argmax_rows: [<reduce_argmax_rows_ $sfx>],
+                    sum_cols: [<reduce_sum_cols_ $sfx>],
+                    sum_cols_unaligned: [<reduce_sum_cols_unaligned_ $sfx>],
+                };
+            }
+        }
+    };
+    (@table $sfx:ident, $op:ident) => {
+        paste::paste! {
+            ReduceOpKernels {
+                all: [<reduce_ $op _all_ $sfx>],
+                fin: [<reduce_ $op _final_ $sfx>],
+                rows: [<reduce_ $op _rows_ $sfx>],
+            }
         }
     };
     (@op $T:ty, $sfx:ident, $op:ident, $O:ident) => {
@@ -583,3 +606,77 @@ crate::for_each_elem!(reduce_kernels);
 // The partials are f32 whatever the input's dtype: one finishing kernel serves all three.
 crate::kernel!(reduce_argmax_final: ArgmaxFinalArgs = |part_val, part_idx, parts, out|
     argmax_final(part_val, part_idx, parts, out));
+
+/// The kernels of one value reduction (`reduce_<op>_<all|final|rows>_<dt>`) of one storage type
+/// `T`, typed.
+pub struct ReduceOpKernels<T: 'static> {
+    /// Stage 1 over a whole tensor.
+    pub all: Kernel<ReducePartArgs<T>>,
+    /// Stage 2 over a whole tensor.
+    pub fin: Kernel<ReduceFinalArgs<T>>,
+    /// Along the last dimension.
+    pub rows: Kernel<ReduceRowsArgs<T>>,
+}
+
+/// The family's kernels of one storage type `T`, typed; `reduce_argmax_final` serves every type.
+pub struct ReduceKernels<T: 'static> {
+    /// `reduce_sum_*` (the mean too, scaled).
+    pub sum: ReduceOpKernels<T>,
+    /// `reduce_max_*`.
+    pub max: ReduceOpKernels<T>,
+    /// `reduce_min_*`.
+    pub min: ReduceOpKernels<T>,
+    /// `reduce_argmax_all_<dt>`.
+    pub argmax_all: Kernel<ArgmaxPartArgs<T>>,
+    /// `reduce_argmax_rows_<dt>`.
+    pub argmax_rows: Kernel<ArgmaxRowsArgs<T>>,
+    /// `reduce_sum_cols_<dt>`: rows of whole 16-byte vectors.
+    pub sum_cols: Kernel<ReduceColsArgs<T>>,
+    /// `reduce_sum_cols_unaligned_<dt>`.
+    pub sum_cols_unaligned: Kernel<ReduceColsArgs<T>>,
+}
+
+/// A storage type's reduction kernels (set by the declaration above).
+pub trait ReduceElem: crate::Elem {
+    /// The kernels of `Self`.
+    const REDUCE: ReduceKernels<Self>;
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    use crate::dtype::{BF16, F16};
+    use crate::kernel::{KernelEntry, Params};
+    fn entries<T: ReduceElem>() -> [KernelEntry; 13]
+    where
+        ReducePartArgs<T>: Params,
+        ReduceFinalArgs<T>: Params,
+        ReduceRowsArgs<T>: Params,
+        ArgmaxPartArgs<T>: Params,
+        ArgmaxRowsArgs<T>: Params,
+        ReduceColsArgs<T>: Params,
+    {
+        let k = T::REDUCE;
+        let op = |o: &ReduceOpKernels<T>| [o.all.entry(), o.fin.entry(), o.rows.entry()];
+        let ([s0, s1, s2], [x0, x1, x2], [n0, n1, n2]) = (op(&k.sum), op(&k.max), op(&k.min));
+        [
+            s0,
+            s1,
+            s2,
+            x0,
+            x1,
+            x2,
+            n0,
+            n1,
+            n2,
+            k.argmax_all.entry(),
+            k.argmax_rows.entry(),
+            k.sum_cols.entry(),
+            k.sum_cols_unaligned.entry(),
+        ]
+    }
+    [entries::<f32>(), entries::<F16>(), entries::<BF16>()]
+        .into_iter()
+        .flatten()
+        .chain(core::iter::once(reduce_argmax_final.entry()))
+}
