@@ -78,7 +78,8 @@ fn activation(code: u8, a: f32, b: f32) -> PyResult<Activation> {
 
 /// The op table as Python data: one tuple a row, `(name, activation, ((param, default), ...),
 /// from_output, positive, torch, module, doc)`, in the order of the codes.
-type UnaryRow = (&'static str, bool, Vec<(&'static str, f32)>, &'static str, bool, &'static str, &'static str, &'static str);
+type UnaryRow =
+    (&'static str, bool, Vec<(&'static str, f32)>, &'static str, bool, &'static str, &'static str, &'static str);
 
 fn unary_rows() -> Vec<UnaryRow> {
     ops::UNARY_OPS
@@ -812,8 +813,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PTX_ARCH", kernels::ptx_arches().join(","))?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add("UNARY_OPS", unary_rows())?;
-    let fused: Vec<&str> =
-        Activation::ALL.iter().filter(|&&a| Gemm::can_fuse(a)).map(|a| a.name()).collect();
+    let fused: Vec<&str> = Activation::ALL.iter().filter(|&&a| Gemm::can_fuse(a)).map(|a| a.name()).collect();
     m.add("LINEAR_ACTIVATIONS", fused)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(set_f32_matmul_precision, m)?)?;
