@@ -7,15 +7,17 @@
 //! registry dependency writes nothing into its sources), where they are cached and rebuilt only
 //! when a kernel source changes.
 //!
-//! Two modules are built, in parallel: `sm_80`, which the driver compiles for any GPU from
-//! Ampere on, and `sm_90`, the same kernels plus those that need Hopper (thread-block clusters,
-//! `#[cfg(target_feature = "sm_90")]` in kernels-gpu). A device loads the newest one it can run
-//! (`device::ptx_arch_for`).
+//! Three modules are built, in parallel: `sm_80`, which the driver compiles for any GPU from
+//! Ampere on; `sm_90`, the same kernels plus those that need Hopper (thread-block clusters,
+//! `#[cfg(target_feature = "sm_90")]` in kernels-gpu), for any GPU from Hopper on; and `sm_90a`,
+//! those plus the kernels of Hopper's architecture-specific instructions (`wgmma`,
+//! `setmaxnreg`; `#[cfg(target_feature = "sm_90a")]`), which only compute capability 9.0 runs.
+//! A device loads the newest one it can run (`device::ptx_arch_for`).
 
 include!("kernels-gpu/build_ptx.rs");
 
 /// The architectures embedded, oldest first; `host/device.rs` names the same.
-const ARCHES: [&str; 2] = ["sm_80", "sm_90"];
+const ARCHES: [&str; 3] = ["sm_80", "sm_90", "sm_90a"];
 
 fn main() {
     println!("cargo::rerun-if-changed=kernels-gpu/src");

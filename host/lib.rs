@@ -48,7 +48,7 @@ pub use error::{Error, Result};
 pub use kernels_gpu::DType;
 pub use tensor::{Element, IndexTensor, Tensor};
 
-/// The GPU architectures whose PTX this build embeds (`"sm_80"`, `"sm_90"`), oldest first. A
+/// The GPU architectures whose PTX this build embeds (`"sm_80"`, `"sm_90"`, `"sm_90a"`), oldest first. A
 /// device runs the newest its compute capability allows ([`Device::ptx_arch`]), as PyTorch's
 /// `torch.cuda.get_arch_list()` lists what a build supports.
 pub fn ptx_arches() -> &'static [&'static str] {

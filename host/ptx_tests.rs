@@ -111,6 +111,11 @@ fn sm90_only(name: &str) -> bool {
     cluster_of(name).is_some()
 }
 
+/// Kernels that only the sm_90a module has: the `wgmma` GEMMs.
+fn sm90a_only(name: &str) -> bool {
+    name.starts_with("gemm_wgmma_")
+}
+
 /// Blocks per cluster and `.maxntid` of a cluster kernel, from its name: `_c<C>_` (a row split
 /// over the cluster, 1024 threads) or `_k<K>_` (the grid one cluster, 512 threads).
 fn cluster_of(name: &str) -> Option<(u32, u32)> {
@@ -128,11 +133,16 @@ fn cluster_of(name: &str) -> Option<(u32, u32)> {
 fn ptx_has_exactly_the_kernels_the_host_launches_with_their_arity() {
     let host = host_kernels();
     assert!(host.keys().any(|k| sm90_only(k)), "no cluster kernels listed");
+    assert!(host.keys().any(|k| sm90a_only(k)), "no wgmma kernels listed");
     for arch in PTX_ARCHES {
         let ptx = ptx_kernels(arch);
         for (name, n) in &host {
             if arch == "sm_80" && sm90_only(name) {
                 assert!(!ptx.contains_key(name), "`{name}` needs sm_90 but is in the sm_80 PTX");
+                continue;
+            }
+            if arch != "sm_90a" && sm90a_only(name) {
+                assert!(!ptx.contains_key(name), "`{name}` needs sm_90a but is in the {arch} PTX");
                 continue;
             }
             match ptx.get(name) {
@@ -221,8 +231,10 @@ fn ptx_is_for_the_configured_architecture() {
     }
     assert_eq!(ptx_arch_for((8, 0)), "sm_80");
     assert_eq!(ptx_arch_for((8, 9)), "sm_80");
-    assert_eq!(ptx_arch_for((9, 0)), "sm_90");
+    assert_eq!(ptx_arch_for((9, 0)), "sm_90a");
+    assert_eq!(ptx_arch_for((9, 1)), "sm_90");
     assert_eq!(ptx_arch_for((10, 0)), "sm_90");
+    assert_eq!(ptx_arch_for((12, 0)), "sm_90");
 }
 
 /// Kernels launched with 1024-thread blocks carry `.maxntid` (rustc has no `__launch_bounds__`;

@@ -225,7 +225,10 @@ pub fn build_ptx(
 /// last, so the rest of the text stays valid; drivers from CUDA 12.1 on read it. rustc's
 /// `-Ctarget-feature=+ptx81` would do the same but is an unstable flag that warns.
 pub fn raise_ptx_isa(ptx: &str) -> String {
-    if ptx.contains("\n.target sm_90") || ptx.contains("\n.target\tsm_90") {
+    if ptx.contains("\n.target sm_90a") || ptx.contains("\n.target\tsm_90a") {
+        // sm_90a (LLVM's default 8.0) also fences tensor maps (`fence.proxy.tensormap`, 8.3).
+        ptx.replacen("\n.version 8.0\n", "\n.version 8.3\n", 1)
+    } else if ptx.contains("\n.target sm_90") || ptx.contains("\n.target\tsm_90") {
         ptx.replacen("\n.version 7.8\n", "\n.version 8.1\n", 1)
     } else {
         ptx.to_string()
@@ -257,6 +260,12 @@ pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     // 120 KB ring and 64 + 64 accumulators a thread), so no minimum: ptxas takes 214-224.
     if kernel.starts_with("gemm_tf32x3") {
         return Some((256, None));
+    }
+    // The warp-specialised wgmma kernels (kernels-gpu/src/gemm_wgmma.rs): 384 threads, one
+    // block an SM; the register cap at entry is what lets `setmaxnreg` move registers from the
+    // producer warpgroup to the consumers.
+    if kernel.starts_with("gemm_wgmma") {
+        return Some((384, Some(1)));
     }
     let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
     let (bm, bn) = tile.split_once('x')?;

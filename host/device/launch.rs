@@ -63,7 +63,8 @@ impl Device {
         unsafe { self.launch_with(kernel.kernel_name(), cfg, args, false) }
     }
 
-    /// [`Device::launch`] as a programmatic dependent launch where the loaded module is `sm_90`:
+    /// [`Device::launch`] as a programmatic dependent launch where the loaded module is `sm_90` or
+    /// `sm_90a`:
     /// the kernel may start while the previous one on the stream is still running, and must
     /// wait for it (`prim::grid_dependency_wait`) before its first access to memory. What
     /// that saves is the launch's latency between a small kernel and the one that finishes its
@@ -80,7 +81,7 @@ impl Device {
         args: A,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.launch_with(kernel.kernel_name(), cfg, args, self.0.ptx_arch == "sm_90") }
+        unsafe { self.launch_with(kernel.kernel_name(), cfg, args, self.0.ptx_arch.starts_with("sm_90")) }
     }
 
     /// The launch behind [`Device::launch`] and [`Device::launch_dependent`] (`dependent`: with

@@ -159,6 +159,21 @@ impl DeviceBuffer {
         self.dev.synchronize()
     }
 
+    /// Copies `src` (exactly `bytes` long) into the buffer, stream-ordered, without waiting:
+    /// the driver stages pageable host memory before it returns, so `src` may go at once. For
+    /// small parameter blocks (tensor maps) that a kernel launched next reads.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    pub(crate) fn copy_from_host_async<T: Copy>(&mut self, src: &[T]) -> Result<()> {
+        assert_eq!(std::mem::size_of_val(src), self.bytes);
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        self.dev.bind()?;
+        // SAFETY: the buffer holds `bytes` = size_of_val(src) bytes; a host-to-device copy from
+        // pageable memory returns once the driver has staged the source.
+        unsafe { result::memcpy_htod_async(self.ptr, src, self.dev.stream()) }.map_err(|e| driver("copy_from_host", e))
+    }
+
     /// Copies the buffer into `dst` (exactly `bytes` long), after all earlier work.
     pub(crate) fn copy_to_host<T: Copy>(&self, dst: &mut [T]) -> Result<()> {
         assert_eq!(std::mem::size_of_val(dst), self.bytes);

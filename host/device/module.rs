@@ -8,19 +8,21 @@ use std::ffi::CString;
 use std::sync::{Mutex, OnceLock};
 
 /// The PTX modules built from `kernels-gpu` by `build.rs`, stored deflated, oldest target
-/// first: `sm_80` (every kernel; the driver compiles it for any GPU from Ampere on) and `sm_90`
-/// (the same kernels plus those that need Hopper's thread-block clusters).
-pub(super) static PTX_DEFLATED: [(&str, &[u8]); 2] = [
+/// first: `sm_80` (every kernel; the driver compiles it for any GPU from Ampere on), `sm_90`
+/// (the same kernels plus those that need Hopper's thread-block clusters, for any GPU from
+/// Hopper on) and `sm_90a` (those plus the `wgmma` kernels, for compute capability 9.0 only).
+pub(super) static PTX_DEFLATED: [(&str, &[u8]); 3] = [
     ("sm_80", include_bytes!(concat!(env!("OUT_DIR"), "/kernels-sm_80.ptx.deflate"))),
     ("sm_90", include_bytes!(concat!(env!("OUT_DIR"), "/kernels-sm_90.ptx.deflate"))),
+    ("sm_90a", include_bytes!(concat!(env!("OUT_DIR"), "/kernels-sm_90a.ptx.deflate"))),
 ];
 
 /// The architectures whose PTX the library embeds, oldest first.
-pub const PTX_ARCHES: [&str; 2] = [PTX_DEFLATED[0].0, PTX_DEFLATED[1].0];
+pub const PTX_ARCHES: [&str; 3] = [PTX_DEFLATED[0].0, PTX_DEFLATED[1].0, PTX_DEFLATED[2].0];
 
 /// The PTX built for `arch` (one of [`PTX_ARCHES`]; decompressed on first use), or `None`.
 pub fn ptx_for(arch: &str) -> Option<&'static str> {
-    pub(super) static PTX: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    pub(super) static PTX: [OnceLock<String>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let i = PTX_DEFLATED.iter().position(|(a, _)| *a == arch)?;
     Some(PTX[i].get_or_init(|| {
         let bytes =
@@ -29,9 +31,14 @@ pub fn ptx_for(arch: &str) -> Option<&'static str> {
     }))
 }
 
-/// The PTX that a device of compute capability `cc` loads: the newest target it can run.
+/// The PTX that a device of compute capability `cc` loads: the newest target it can run
+/// (`sm_90a` runs on 9.0 alone: its instructions are not in later GPUs).
 pub fn ptx_arch_for(cc: (i32, i32)) -> &'static str {
-    if cc.0 >= 9 { "sm_90" } else { "sm_80" }
+    match cc {
+        (9, 0) => "sm_90a",
+        (9.., _) => "sm_90",
+        _ => "sm_80",
+    }
 }
 
 /// The portable PTX (`sm_80`), which every supported GPU can load.
@@ -49,7 +56,7 @@ pub(super) struct PtxModule {
 
 /// The PTX for `arch` cut into one module per op (split on first use, shared by the devices).
 pub(super) fn modules_for(arch: &str) -> Option<&'static [PtxModule]> {
-    pub(super) static MODULES: [OnceLock<Vec<PtxModule>>; 2] = [OnceLock::new(), OnceLock::new()];
+    pub(super) static MODULES: [OnceLock<Vec<PtxModule>>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let i = PTX_DEFLATED.iter().position(|(a, _)| *a == arch)?;
     let ptx = ptx_for(arch)?;
     Some(MODULES[i].get_or_init(|| {
@@ -93,7 +100,7 @@ pub(super) struct Module {
 
 impl Device {
     /// Whether the device's PTX has kernel `name` (the `sm_90` PTX has kernels that the `sm_80`
-    /// one lacks). Loads nothing.
+    /// one lacks, and `sm_90a` more). Loads nothing.
     pub(crate) fn has_kernel(&self, name: &str) -> bool {
         self.0.by_name.contains_key(name)
     }

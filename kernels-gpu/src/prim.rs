@@ -674,6 +674,167 @@ pub fn mma_tf32_16x8x8(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Hopper's warpgroup tensor cores and bulk tensor copies (sm_90a: `wgmma`, `setmaxnreg`; sm_90:
+// TMA). A warpgroup is four consecutive warps starting at a warp index divisible by four; the
+// `wgmma` functions must be called by all its 128 threads together.
+
+/// Writes out an `asm!` whose operands are the 128 f32 accumulators of an `m64n256` `wgmma`
+/// (`$d`, a `&mut [f32; 128]`), each in and out, so that the compiler keeps them in registers and
+/// orders every use of them against the instruction: the template sees them as `{0}`..`{127}`.
+#[cfg(target_feature = "sm_90a")]
+macro_rules! asm_acc128 {
+    ($d:ident; $($pre:literal),*; $($post:literal),*; $($rest:tt)*) => {
+        asm_acc128!(@ $d; [$($pre),*]; [$($post),*]; [$($rest)*]; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127)
+    };
+    (@ $d:ident; [$($pre:literal),*]; [$($post:literal),*]; [$($rest:tt)*]; $first:literal $($i:literal)*) => {
+        asm!(
+            $($pre,)*
+            concat!("{{{", $first, "}" $(, ", {", $i, "}")*, "}}"),
+            $($post,)*
+            inout(reg32) $d[$first], $(inout(reg32) $d[$i],)*
+            $($rest)*
+        )
+    };
+}
+
+/// `d += A @ B` for one warpgroup: a 64 x 256 tile of f32 accumulators `d` (thread `t` of the
+/// warpgroup holds rows `16 (t / 32) + (t % 32) / 4 + 8 h` and columns `8 j + 2 (t % 4) + c` at
+/// `d[4 j + 2 h + c]`), A a 64 x 16 and B a 16 x 256 tile of bf16 (`BF16`) or f16 values in
+/// shared memory, each described by a matrix descriptor (`da`, `db`; see `gemm_wgmma`), K-major
+/// (`TA`/`TB` = 0) or M/N-major (1) (`wgmma.mma_async.sync.aligned.m64n256k16.f32`). Issued
+/// asynchronously: the accumulators are not to be read or written before [`wgmma_wait`], and
+/// the operands must stay in place until then.
+///
+/// # Safety
+/// All 128 threads of a warpgroup must call it together with the same descriptors, after
+/// [`wgmma_fence`]; the descriptors must describe initialised shared memory that a
+/// `fence.proxy.async` or the copy engine made visible to the tensor cores.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn wgmma_m64n256k16<const BF16: bool, const TA: u32, const TB: u32>(d: &mut [f32; 128], da: u64, db: u64) {
+    // SAFETY: per the function contract.
+    unsafe {
+        if BF16 {
+            asm_acc128!(d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16";
+                ", {da}, {db}, p, 1, 1, {ta}, {tb}; }}";
+                da = in(reg64) da, db = in(reg64) db, ta = const TA, tb = const TB, options(nostack));
+        } else {
+            asm_acc128!(d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16";
+                ", {da}, {db}, p, 1, 1, {ta}, {tb}; }}";
+                da = in(reg64) da, db = in(reg64) db, ta = const TA, tb = const TB, options(nostack));
+        }
+    }
+}
+
+/// Orders this warpgroup's earlier register and shared-memory accesses before its next
+/// `wgmma` (`wgmma.fence`); the accumulators `d` pass through it, so the compiler cannot move
+/// their initialisation after it.
+///
+/// # Safety
+/// All 128 threads of a warpgroup must call it together.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn wgmma_fence(d: &mut [f32; 128]) {
+    // SAFETY: per the function contract.
+    unsafe { asm_acc128!(d; "wgmma.fence.sync.aligned; /*"; "*/"; options(nostack)) };
+}
+
+/// Closes this warpgroup's issued `wgmma`s into a group (`wgmma.commit_group`).
+///
+/// # Safety
+/// All 128 threads of a warpgroup must call it together.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn wgmma_commit() {
+    // SAFETY: per the function contract.
+    unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) };
+}
+
+/// Waits until at most `N` of this warpgroup's committed `wgmma` groups are pending
+/// (`wgmma.wait_group`). The accumulators pass through it: the compiler cannot read them before
+/// the wait, nor move their next update above it.
+///
+/// # Safety
+/// All 128 threads of a warpgroup must call it together.
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn wgmma_wait<const N: u32>(d: &mut [f32; 128]) {
+    // SAFETY: per the function contract.
+    unsafe { asm_acc128!(d; "wgmma.wait_group.sync.aligned {n}; /*"; "*/"; n = const N, options(nostack)) };
+}
+
+/// Raises (`INC`) or lowers this warpgroup's register allocation to `R` registers a thread
+/// (`setmaxnreg`, sm_90a): the producer warpgroup of a warp-specialised kernel gives registers
+/// to its consumers.
+///
+/// # Safety
+/// All 128 threads of a warpgroup must call it together; `R` a multiple of 8 in 24..=256; the
+/// kernel must have a register cap at entry (`.maxntid` and `.minnctapersm 1`).
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn setmaxnreg<const INC: bool, const R: u32>() {
+    // SAFETY: per the function contract.
+    unsafe {
+        if INC {
+            asm!("setmaxnreg.inc.sync.aligned.u32 {r};", r = const R, options(nostack, nomem));
+        } else {
+            asm!("setmaxnreg.dec.sync.aligned.u32 {r};", r = const R, options(nostack, nomem));
+        }
+    }
+}
+
+/// Makes the tensor map at `map` (in global memory, written before the launch) visible to the
+/// copy engine for this thread's later copies (`fence.proxy.tensormap::generic.acquire`, PTX 8.3):
+/// without it a descriptor cached from an earlier launch at the same address could be used.
+///
+/// # Safety
+/// `map` must point at a 128-byte, 64-byte-aligned `CUtensorMap` in global memory.
+#[inline(always)]
+pub unsafe fn fence_tensormap(map: *const u64) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("fence.proxy.tensormap::generic.acquire.gpu [{m}], 128;", m = in(reg64) map,
+             options(nostack, preserves_flags));
+    }
+}
+
+/// Copies the box at coordinates `(c0, c1, c2)` (innermost first, in elements) of the 3-D tensor
+/// described by the tensor map at `map` into shared memory at `dst`, then signals its bytes to
+/// the mbarrier at `bar` (`cp.async.bulk.tensor.3d`, TMA). Elements outside the tensor are
+/// written as zeros and counted.
+///
+/// # Safety
+/// `map` as in [`fence_tensormap`] (fenced by this thread); `dst` a shared-window address aligned
+/// as the map's swizzle requires (1024 bytes for 128-byte swizzling) with room for the box; `bar`
+/// an initialised mbarrier in this block's shared memory expecting the bytes.
+#[inline(always)]
+pub unsafe fn tma_load_3d(dst: u32, map: *const u64, bar: u32, c0: i32, c1: i32, c2: i32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{m}, {{{c0}, {c1}, {c2}}}], [{b}];",
+            d = in(reg32) dst, m = in(reg64) map, b = in(reg32) bar,
+            c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Arrives on the mbarrier at `addr` (this block's), once.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier in this block's shared memory.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive(addr: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!("mbarrier.arrive.shared::cta.b64 _, [{a}];", a = in(reg32) addr, options(nostack, preserves_flags));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Half-precision conversions: hardware `cvt`, round to nearest even, NaN and infinities kept,
 // no flush to zero.
 

@@ -1,0 +1,185 @@
+//! The Hopper path of the bf16/f16 GEMM (host side of `kernels-gpu/src/gemm_wgmma.rs`): which
+//! products it takes, the copy engine's tensor maps, and the persistent launch.
+//!
+//! The kernels read A and B through TMA tensor maps (`cuTensorMapEncodeTiled`), which need
+//! 16-byte aligned rows; the maps go to the device in a small buffer written just before the
+//! launch, stream-ordered (the kernel fences them: `prim::fence_tensormap`).
+
+use crate::device::{Device, LaunchConfig};
+use crate::error::{Error, Result, driver};
+use cudarc::driver::sys;
+use kernels_gpu::DType;
+use kernels_gpu::gemm_epilogue::Epilogue;
+use kernels_gpu::gemm_wgmma::{A_BATCHED, B_BATCHED, BK, BM, BN, SMEM_BYTES, THREADS, WgmmaArgs, wgmma_kernel};
+
+/// One input operand as stored: device address, elements between rows (`ld`) and between the
+/// matrices of a batch (`stride`, 0: shared by the batch), and whether the product reads its
+/// transpose.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operand {
+    pub(crate) ptr: u64,
+    pub(crate) ld: u64,
+    pub(crate) stride: u64,
+    pub(crate) trans: bool,
+}
+
+/// Whether the wgmma kernels run a product of `input` operands (both bf16 or both f16) into
+/// `out` on `dev`: an sm_90a device (H100, H200), output f32/bf16/f16, and operands the copy
+/// engine can read (16-byte aligned addresses, rows and batch strides).
+pub(crate) fn supports(dev: &Device, input: DType, out: DType, a: &Operand, b: &Operand) -> bool {
+    let aligned = |o: &Operand| o.ptr.is_multiple_of(16) && o.ld.is_multiple_of(8) && o.stride.is_multiple_of(8);
+    dev.ptx_arch() == "sm_90a"
+        && matches!(input, DType::BF16 | DType::F16)
+        && matches!(out, DType::F32 | DType::BF16 | DType::F16)
+        && dev.max_shared_bytes() >= SMEM_BYTES
+        && aligned(a)
+        && aligned(b)
+}
+
+/// A 3-D tensor map of a stored operand: `inner` contiguous elements a row, `outer` rows
+/// `ld` apart, `batch` matrices `stride` apart (1 when shared), read in boxes of `bx x by`,
+/// 128-byte swizzled; out-of-range elements read as zeros.
+fn tensor_map(
+    op: &'static str,
+    input: DType,
+    ptr: u64,
+    (inner, outer, batch): (u64, u64, u64),
+    (ld, stride): (u64, u64),
+    (bx, by): (u32, u32),
+) -> Result<[u64; 16]> {
+    let dtype = match input {
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    // A shared operand is a batch of one; its (unused) batch stride still has to be valid.
+    let stride = if stride == 0 { (ld * outer).max(8) } else { stride };
+    let dims = [inner, outer, batch];
+    let strides = [ld * 2, stride * 2];
+    let boxes = [bx, by, 1];
+    let ones = [1u32; 3];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array has the rank's (or rank - 1's) entries; the map is written, not read.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            dtype,
+            3,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            ones.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .map_err(|e| driver(op, e))?;
+    }
+    Ok(map.opaque)
+}
+
+/// Runs `batch` products `op(A) @ op(B)` (`m x k` by `k x n`) through the epilogue `epi` (whose
+/// `m`, `n` must be these) with the wgmma kernels. The caller checked [`supports`], the shapes
+/// against the tensors, and `epi` against D.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch(
+    op: &'static str,
+    dev: &Device,
+    (input, out): (DType, DType),
+    (batch, m, n, k): (u64, u64, u64, u64),
+    a: &Operand,
+    b: &Operand,
+    epi: Epilogue,
+) -> Result<()> {
+    let Some(kernel) = wgmma_kernel(a.trans, b.trans, input == DType::BF16, out) else {
+        return Err(Error::InvalidArgument { op, message: format!("no wgmma kernel for {input:?} into {out:?}") });
+    };
+    let tiles = m.div_ceil(BM as u64) * n.div_ceil(BN as u64) * batch;
+    if tiles == 0 {
+        return Ok(());
+    }
+    if tiles > u32::MAX as u64 || m > i32::MAX as u64 || n > i32::MAX as u64 || k > i32::MAX as u64 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("{batch} x {m} x {n} x {k} is beyond the kernel's range"),
+        });
+    }
+    let bmul = |o: &Operand| if o.stride == 0 { 1 } else { batch };
+    // A: K-major boxes of 64 K x 128 rows, or M-major boxes of 64 rows x 64 K (two a stage).
+    let map_a = if a.trans {
+        tensor_map(op, input, a.ptr, (m, k, bmul(a)), (a.ld, a.stride), (64, BK))?
+    } else {
+        tensor_map(op, input, a.ptr, (k, m, bmul(a)), (a.ld, a.stride), (BK, BM))?
+    };
+    // B: K-major (stored n x k, `trans`) boxes of 64 K x 256 columns, or N-major boxes of 64
+    // columns x 64 K (four a stage).
+    let map_b = if b.trans {
+        tensor_map(op, input, b.ptr, (k, n, bmul(b)), (b.ld, b.stride), (BK, BN))?
+    } else {
+        tensor_map(op, input, b.ptr, (n, k, bmul(b)), (b.ld, b.stride), (64, BK))?
+    };
+    let mut maps = dev.alloc(op, 256)?;
+    let words: Vec<u64> = map_a.iter().chain(map_b.iter()).copied().collect();
+    maps.copy_from_host_async(&words)?;
+    let flags = if a.stride != 0 { A_BATCHED } else { 0 } | if b.stride != 0 { B_BATCHED } else { 0 };
+    let cfg = LaunchConfig {
+        grid: ((tiles as u32).min(dev.sm_count()), 1, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: SMEM_BYTES,
+    };
+    let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags);
+    // SAFETY: the maps describe A and B as the caller checked them (the copy engine reads
+    // nothing outside them); `epi` describes D; the buffer of maps lives until the kernel has
+    // read it (freed stream-ordered after it).
+    unsafe { dev.launch(kernel, cfg, args) }
+}
+
+/// Runs `C = alpha * op(A) @ op(B) + beta * C` on the wgmma kernels directly, for tests and
+/// measurements of this path (feature `internals`): A and B 2-D bf16 or f16 matrices, C 2-D
+/// f32, bf16 or f16. An error where [`supports`] does not hold.
+#[cfg(feature = "internals")]
+pub fn gemm_wgmma(
+    a: &crate::Tensor,
+    b: &crate::Tensor,
+    c: &mut crate::Tensor,
+    trans: (bool, bool),
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let op = "gemm_wgmma";
+    let (&[ar, ac], &[br, bc], &[m, n]) = (a.shape(), b.shape(), c.shape()) else {
+        return Err(Error::InvalidArgument { op, message: "A, B and C must be matrices".into() });
+    };
+    let (am, k) = if trans.0 { (ac, ar) } else { (ar, ac) };
+    let (kb, bn) = if trans.1 { (bc, br) } else { (br, bc) };
+    if (am, bn) != (m, n) || k != kb || a.dtype() != b.dtype() {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("shapes {:?} {:?} {:?}", a.shape(), b.shape(), c.shape()),
+        });
+    }
+    let dev = a.device().clone();
+    let oa = Operand { ptr: a.dev_ptr_u64(), ld: ac as u64, stride: 0, trans: trans.0 };
+    let ob = Operand { ptr: b.dev_ptr_u64(), ld: bc as u64, stride: 0, trans: trans.1 };
+    if !supports(&dev, a.dtype(), c.dtype(), &oa, &ob) {
+        return Err(Error::InvalidArgument { op, message: "not a product the wgmma kernels take".into() });
+    }
+    let pairs = n.is_multiple_of(2) && c.dev_ptr_u64().is_multiple_of(8);
+    let epi = Epilogue {
+        d: c.dev_ptr_mut::<u8>()?,
+        ldd: n as u64,
+        stride_d: 0,
+        residual: std::ptr::null(),
+        bias_col: std::ptr::null(),
+        bias_row: std::ptr::null(),
+        m: m as u32,
+        n: n as u32,
+        alpha,
+        beta,
+        act: kernels_gpu::gemm::EPI_IDENTITY,
+        flags: if pairs { kernels_gpu::gemm_epilogue::EPI_PAIRS } else { 0 },
+    };
+    launch(op, &dev, (a.dtype(), c.dtype()), (1, m as u64, n as u64, k as u64), &oa, &ob, epi)
+}

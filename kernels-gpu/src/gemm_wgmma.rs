@@ -1,0 +1,308 @@
+//! bf16 and f16 matrix products on Hopper's warpgroup tensor cores (sm_90a):
+//! `D = epilogue(op(A) @ op(B))` with f32 accumulation, D in f32, bf16 or f16
+//! ([`crate::gemm_epilogue`]).
+//!
+//! The design (docs/design.md, "Tensor-core GEMM"):
+//! - A block of 384 threads owns a 128 x 256 tile of D at a time: warpgroup 0 is the producer,
+//!   one thread of which streams 64-deep K slices of A and B into a ring of [`STAGES`]
+//!   shared-memory stages with the copy engine (TMA, 128-byte swizzle), each stage guarded by a
+//!   "full" mbarrier (the copy's bytes landed) and an "empty" one (both consumers are done with
+//!   it). Warpgroups 1 and 2 are the consumers: each multiplies its 64 rows of the tile by the
+//!   256 columns with `wgmma.m64n256k16` straight from shared memory, holding 128 accumulators
+//!   a thread, and keeps one group of products in flight while it waits for the next stage.
+//! - The producer hands its registers to the consumers (`setmaxnreg`: 40 against 232).
+//! - Persistent: the grid is at most one block per SM, and block `b` takes tiles `b`, `b + grid`,
+//!   ... in an order that walks [`GROUP_M`] tile rows together, so that the tiles in flight share
+//!   their A and B slices in L2. While the consumers store one tile, the producer already loads
+//!   the next one's stages.
+//! - Layouts: A is read K-major (stored `m x k`) or M-major (stored `k x m`, `trans_a`), B
+//!   K-major (stored `n x k`, `trans_b`) or N-major (stored `k x n`); both are what `wgmma`
+//!   reads directly, so every transpose runs at the same speed. Out-of-range rows and K columns
+//!   of a tile are zeros from the copy engine, so any `m`, `n`, `k` works; what the copy engine
+//!   needs is 16-byte aligned rows (the host sends other operands to `gemm_tc`).
+
+use crate::gemm_epilogue::Epilogue;
+
+/// Rows of D per tile.
+pub const BM: u32 = 128;
+/// Columns of D per tile.
+pub const BN: u32 = 256;
+/// K per stage: 64 16-bit values, one 128-byte swizzle row.
+pub const BK: u32 = 64;
+/// Stages of the ring.
+pub const STAGES: u32 = 4;
+/// Threads per block: a producer warpgroup and two consumers.
+pub const THREADS: u32 = 384;
+/// Tile rows walked together ([`tile_coords`]).
+pub const GROUP_M: u32 = 8;
+
+const A_STAGE: u32 = BM * BK * 2;
+const B_STAGE: u32 = BN * BK * 2;
+
+/// Dynamic shared memory a block: the ring, its mbarriers, and up to 1 KiB to align the ring
+/// to the 1024 bytes that 128-byte swizzling needs.
+pub const SMEM_BYTES: u32 = 1024 + STAGES * (A_STAGE + B_STAGE) + 2 * STAGES * 8;
+
+/// Bit of the flags parameter: A is a batch (its tensor map's third coordinate is the batch
+/// index); without it every product reads the same A.
+pub const A_BATCHED: u32 = 1;
+/// As [`A_BATCHED`], for B.
+pub const B_BATCHED: u32 = 2;
+
+/// Parameters: the two tensor maps (A's at the address, B's 128 bytes after it; in global
+/// memory, 64-byte aligned), the epilogue (its `m`, `n` the product's), `k`, the batch count,
+/// and the flags ([`A_BATCHED`], [`B_BATCHED`]).
+pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32);
+
+/// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles: `(batch, tile row,
+/// tile column)`. Within a batch, groups of [`GROUP_M`] tile rows are walked column by column,
+/// so consecutive tiles share B's columns and a group's A rows stay in L2.
+pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) {
+    let per_batch = tiles_m * tiles_n;
+    let b = t / per_batch;
+    let r = t % per_batch;
+    let in_group = GROUP_M * tiles_n;
+    let first_m = r / in_group * GROUP_M;
+    let rows = if tiles_m - first_m < GROUP_M { tiles_m - first_m } else { GROUP_M };
+    let q = r % in_group;
+    (b, first_m + q % rows, q / rows)
+}
+
+#[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
+mod device {
+    use super::*;
+    use crate::dtype::Elem;
+    use crate::gemm_epilogue::{is_plain, store_pair, store_pair_plain};
+    use crate::prim::*;
+
+    /// Consumer warpgroups.
+    const CONSUMERS: u32 = 2;
+
+    /// A shared-memory matrix descriptor for `wgmma` with 128-byte swizzling: start address,
+    /// leading and stride byte offsets (K-major: LBO unused, SBO between 8-row groups;
+    /// M/N-major: LBO between 64-element column blocks, SBO between 8-row K groups).
+    #[inline(always)]
+    fn desc(addr: u32, lbo: u32, sbo: u32) -> u64 {
+        ((addr & 0x3FFFF) >> 4) as u64 | ((lbo >> 4) as u64) << 16 | ((sbo >> 4) as u64) << 32 | 1 << 62
+    }
+
+    /// The whole epilogue of a consumer thread's accumulators (laid out as
+    /// [`wgmma_m64n256k16`] says, from `(row, col)`). Not inlined, and a rolled loop: written
+    /// out 64 times, each activation's code made a kernel of hundreds of kilobytes, and a call
+    /// per pair made ptxas save the live accumulators around each call.
+    #[inline(never)]
+    unsafe fn store_tile<O: Elem>(e: &Epilogue, b: u32, row: u32, col: u32, acc: &[f32; 128]) {
+        for j in 0..32 {
+            // SAFETY: the caller's (store_pair checks rows and columns).
+            unsafe {
+                store_pair::<O>(e, b, row, col + 8 * j as u32, [acc[4 * j], acc[4 * j + 1]]);
+                store_pair::<O>(e, b, row + 8, col + 8 * j as u32, [acc[4 * j + 2], acc[4 * j + 3]]);
+            }
+        }
+    }
+
+    /// The kernel. `A_MN`/`B_MN` (0 or 1): A is M-major (`trans_a`), B is N-major (`!trans_b`).
+    ///
+    /// # Safety
+    /// Launched with [`THREADS`] threads, [`SMEM_BYTES`] of dynamic shared memory, and maps and
+    /// an epilogue that describe the operands as [`WgmmaArgs`] says.
+    #[inline(always)]
+    pub unsafe fn gemm<const BF16: bool, O: Elem, const A_MN: u32, const B_MN: u32>(
+        maps: *const u64,
+        e: Epilogue,
+        k: u32,
+        batch: u32,
+        flags: u32,
+    ) {
+        let tid = thread_idx_x();
+        let wg = tid / 128;
+        let base = (dyn_smem_addr() + 1023) & !1023;
+        let a_s = base;
+        let b_s = base + STAGES * A_STAGE;
+        let bars = b_s + STAGES * B_STAGE;
+        let full = |s: u32| bars + 8 * s;
+        let empty = |s: u32| bars + 8 * (STAGES + s);
+        // SAFETY: the barriers lie in the dynamic shared memory (SMEM_BYTES covers them), are
+        // initialised once by one thread, and used only after the block barrier.
+        unsafe {
+            if tid == 0 {
+                for s in 0..STAGES {
+                    mbarrier_init(full(s), 1);
+                    mbarrier_init(empty(s), CONSUMERS);
+                }
+                fence_mbarrier_init();
+            }
+        }
+        sync_threads();
+        let tiles_m = e.m.div_ceil(BM);
+        let tiles_n = e.n.div_ceil(BN);
+        let total = tiles_m * tiles_n * batch;
+        let k_tiles = k.div_ceil(BK);
+
+        if wg == 0 {
+            // SAFETY: the whole warpgroup; the kernel's `.maxntid`/`.minnctapersm` cap it.
+            unsafe { setmaxnreg::<false, 40>() };
+            if tid != 0 {
+                return;
+            }
+            // SAFETY: the host wrote both maps before the launch; each copy lands in its stage
+            // of the ring, which the consumers released (the empty barrier's phase), and is
+            // signalled to that stage's full barrier, which expects exactly the stage's bytes
+            // (the copy engine counts the zero-filled elements outside the tensor too).
+            unsafe {
+                let map_a = maps;
+                let map_b = maps.add(16);
+                fence_tensormap(map_a);
+                fence_tensormap(map_b);
+                let (mut s, mut ph) = (0u32, 0u32);
+                let mut t = block_idx_x();
+                while t < total {
+                    let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
+                    let za = if flags & A_BATCHED != 0 { b as i32 } else { 0 };
+                    let zb = if flags & B_BATCHED != 0 { b as i32 } else { 0 };
+                    let (m0, n0) = ((tm * BM) as i32, (tn * BN) as i32);
+                    for kt in 0..k_tiles {
+                        mbarrier_wait_parity(empty(s), ph ^ 1);
+                        mbarrier_arrive_expect_tx(full(s), A_STAGE + B_STAGE);
+                        let kc = (kt * BK) as i32;
+                        let (a_dst, b_dst) = (a_s + s * A_STAGE, b_s + s * B_STAGE);
+                        if A_MN == 1 {
+                            // Two boxes of 64 rows of M by 64 of K, each 64 K rows of 128 bytes.
+                            tma_load_3d(a_dst, map_a, full(s), m0, kc, za);
+                            tma_load_3d(a_dst + A_STAGE / 2, map_a, full(s), m0 + 64, kc, za);
+                        } else {
+                            tma_load_3d(a_dst, map_a, full(s), kc, m0, za);
+                        }
+                        if B_MN == 1 {
+                            for j in 0..4 {
+                                tma_load_3d(b_dst + j * (B_STAGE / 4), map_b, full(s), n0 + 64 * j as i32, kc, zb);
+                            }
+                        } else {
+                            tma_load_3d(b_dst, map_b, full(s), kc, n0, zb);
+                        }
+                        s += 1;
+                        if s == STAGES {
+                            s = 0;
+                            ph ^= 1;
+                        }
+                    }
+                    t += grid_dim_x();
+                }
+            }
+            return;
+        }
+
+        // SAFETY: the whole warpgroup (both consumers run this branch whole).
+        unsafe { setmaxnreg::<true, 232>() };
+        let cw = wg - 1;
+        let lane = tid % 32;
+        let warp = (tid % 128) / 32;
+        let leader = tid % 128 == 0;
+        let (mut s, mut ph) = (0u32, 0u32);
+        let mut t = block_idx_x();
+        while t < total {
+            let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
+            // Zeroed, not `[0.0; 128]`: rustc writes a repeat as a loop with a variable index,
+            // which keeps the array out of registers.
+            // SAFETY: all-zero bits are 0.0.
+            let mut acc: [f32; 128] = unsafe { core::mem::zeroed() };
+            let mut prev = STAGES;
+            // SAFETY: the warpgroup runs these together; a stage is read only after its full
+            // barrier's phase completed (the copy's bytes are visible to the tensor cores), and
+            // released to the producer only after the products reading it completed.
+            unsafe {
+                for _ in 0..k_tiles {
+                    mbarrier_wait_parity(full(s), ph);
+                    wgmma_fence(&mut acc);
+                    let (a_st, b_st) = (a_s + s * A_STAGE + cw * (A_STAGE / 2), b_s + s * B_STAGE);
+                    unroll!(KK: u32; 0 1 2 3 => {
+                        // K-major: the next 16 values of K are 32 bytes on in each swizzled
+                        // row; M/N-major: two 8-row K groups (2048 bytes) on.
+                        let da = if A_MN == 1 { desc(a_st + KK * 2048, 8192, 1024) } else { desc(a_st + KK * 32, 16, 1024) };
+                        let db = if B_MN == 1 { desc(b_st + KK * 2048, 8192, 1024) } else { desc(b_st + KK * 32, 16, 1024) };
+                        wgmma_m64n256k16::<BF16, A_MN, B_MN>(&mut acc, da, db);
+                    });
+                    wgmma_commit();
+                    wgmma_wait::<1>(&mut acc);
+                    if leader && prev != STAGES {
+                        mbarrier_arrive(empty(prev));
+                    }
+                    prev = s;
+                    s += 1;
+                    if s == STAGES {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+                wgmma_wait::<0>(&mut acc);
+                if leader && prev != STAGES {
+                    mbarrier_arrive(empty(prev));
+                }
+            }
+            let row = tm * BM + cw * 64 + warp * 16 + lane / 4;
+            let col = tn * BN + 2 * (lane % 4);
+            // SAFETY: the stores check rows and columns against the epilogue's m and n.
+            unsafe {
+                if is_plain(&e) {
+                    unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
+                        store_pair_plain::<O>(&e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
+                        store_pair_plain::<O>(&e, b, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
+                    });
+                } else {
+                    // A copy, so that only it (not the accumulators) lives in local memory.
+                    // SAFETY: all-zero bits are 0.0.
+                    let mut out: [f32; 128] = core::mem::zeroed();
+                    unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
+                        out[4 * J] = acc[4 * J];
+                        out[4 * J + 1] = acc[4 * J + 1];
+                        out[4 * J + 2] = acc[4 * J + 2];
+                        out[4 * J + 3] = acc[4 * J + 3];
+                    });
+                    store_tile::<O>(&e, b, row, col, &out);
+                }
+            }
+            t += grid_dim_x();
+        }
+    }
+}
+
+/// Declares the kernel for each (transposes, input type, output type): `gemm_wgmma_<ab>_<in>_<out>`,
+/// `<ab>` the transposes of A and B (`n` or `t`), and [`wgmma_kernel`] to pick one.
+macro_rules! wgmma_kernels {
+    ($( $ta:literal $tb:literal $ab:ident: $( $name:ident $bf16:literal $out:ty ),* ; )*) => {
+        $( $(
+            #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90a"))]
+            crate::kernel!($name: WgmmaArgs = |maps, e, k, batch, flags|
+                device::gemm::<$bf16, $out, { $ta as u32 }, { !$tb as u32 }>(maps, e, k, batch, flags));
+        )* )*
+
+        /// The kernel for transposes `trans_a`, `trans_b`, bf16 (`bf16`) or f16 inputs, and
+        /// output type `out` (f32, bf16 or f16; `None` for others).
+        #[cfg(not(target_arch = "nvptx64"))]
+        pub fn wgmma_kernel(trans_a: bool, trans_b: bool, bf16: bool, out: crate::DType) -> Option<crate::kernel::Kernel<WgmmaArgs>> {
+            $( $(
+                if (trans_a, trans_b, bf16, out) == ($ta, $tb, $bf16, <$out as crate::dtype::Elem>::DTYPE) {
+                    return Some($name);
+                }
+            )* )*
+            None
+        }
+
+        /// Every kernel of the family.
+        #[cfg(not(target_arch = "nvptx64"))]
+        pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+            [$( $( $name.entry(), )* )*].into_iter()
+        }
+    };
+}
+
+wgmma_kernels! {
+    false false nn: gemm_wgmma_nn_bf16_f32 true f32, gemm_wgmma_nn_bf16_bf16 true crate::BF16, gemm_wgmma_nn_bf16_f16 true crate::F16,
+        gemm_wgmma_nn_f16_f32 false f32, gemm_wgmma_nn_f16_bf16 false crate::BF16, gemm_wgmma_nn_f16_f16 false crate::F16;
+    false true nt: gemm_wgmma_nt_bf16_f32 true f32, gemm_wgmma_nt_bf16_bf16 true crate::BF16, gemm_wgmma_nt_bf16_f16 true crate::F16,
+        gemm_wgmma_nt_f16_f32 false f32, gemm_wgmma_nt_f16_bf16 false crate::BF16, gemm_wgmma_nt_f16_f16 false crate::F16;
+    true false tn: gemm_wgmma_tn_bf16_f32 true f32, gemm_wgmma_tn_bf16_bf16 true crate::BF16, gemm_wgmma_tn_bf16_f16 true crate::F16,
+        gemm_wgmma_tn_f16_f32 false f32, gemm_wgmma_tn_f16_bf16 false crate::BF16, gemm_wgmma_tn_f16_f16 false crate::F16;
+    true true tt: gemm_wgmma_tt_bf16_f32 true f32, gemm_wgmma_tt_bf16_bf16 true crate::BF16, gemm_wgmma_tt_bf16_f16 true crate::F16,
+        gemm_wgmma_tt_f16_f32 false f32, gemm_wgmma_tt_f16_bf16 false crate::BF16, gemm_wgmma_tt_f16_f16 false crate::F16;
+}
