@@ -261,12 +261,6 @@ pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     if kernel.starts_with("gemm_tf32x3") {
         return Some((256, None));
     }
-    // The warp-specialised wgmma kernels (kernels-gpu/src/gemm_wgmma.rs): 384 threads, one
-    // block an SM; the register cap at entry is what lets `setmaxnreg` move registers from the
-    // producer warpgroup to the consumers.
-    if kernel.starts_with("gemm_wgmma") {
-        return Some((384, Some(1)));
-    }
     let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
     let (bm, bn) = tile.split_once('x')?;
     let threads = bm.parse::<u32>().ok()? * bn.parse::<u32>().ok()? / 64;
@@ -305,6 +299,13 @@ pub fn add_launch_bounds(ptx: &str) -> String {
         }
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or(rest).trim();
+            // The wgmma GEMMs (kernels-gpu/src/gemm_wgmma.rs): clusters of 2 (their `CLUSTER`).
+            if name.starts_with("gemm_wgmma") {
+                pending = Some(".maxntid 384, 1, 1\n.minnctapersm 1\n.reqnctapercluster 2, 1, 1\n".to_string());
+                out.push_str(line);
+                out.push('\n');
+                continue;
+            }
             pending = cluster_size(name)
                 .map(|c| format!(".maxntid 1024, 1, 1\n.reqnctapercluster {c}, 1, 1\n"))
                 .or_else(|| {

@@ -10,7 +10,9 @@ use crate::error::{Error, Result, driver};
 use cudarc::driver::sys;
 use kernels_gpu::DType;
 use kernels_gpu::gemm_epilogue::Epilogue;
-use kernels_gpu::gemm_wgmma::{A_BATCHED, B_BATCHED, BK, BM, BN, SMEM_BYTES, THREADS, WgmmaArgs, wgmma_kernel};
+use kernels_gpu::gemm_wgmma::{
+    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, SMEM_BYTES, THREADS, WgmmaArgs, wgmma_kernel,
+};
 
 /// One input operand as stored: device address, elements between rows (`ld`) and between the
 /// matrices of a batch (`stride`, 0: shared by the batch), and whether the product reads its
@@ -96,7 +98,8 @@ pub(crate) fn launch(
     let Some(kernel) = wgmma_kernel(a.trans, b.trans, input == DType::BF16, out) else {
         return Err(Error::InvalidArgument { op, message: format!("no wgmma kernel for {input:?} into {out:?}") });
     };
-    let tiles = m.div_ceil(BM as u64) * n.div_ceil(BN as u64) * batch;
+    // Tiles of a cluster: CLUSTER blocks of BM rows by BN columns.
+    let tiles = m.div_ceil((BM * CLUSTER) as u64) * n.div_ceil(BN as u64) * batch;
     if tiles == 0 {
         return Ok(());
     }
@@ -113,10 +116,11 @@ pub(crate) fn launch(
     } else {
         tensor_map(op, input, a.ptr, (k, m, bmul(a)), (a.ld, a.stride), (BK, BM))?
     };
-    // B: K-major (stored n x k, `trans`) boxes of 64 K x 256 columns, or N-major boxes of 64
-    // columns x 64 K (four a stage).
+    // B: K-major (stored n x k, `trans`) boxes of 64 K x 128 columns (the half of a stage that
+    // each block of a cluster loads for both), or N-major boxes of 64 columns x 64 K (four a
+    // stage, two from each block).
     let map_b = if b.trans {
-        tensor_map(op, input, b.ptr, (k, n, bmul(b)), (b.ld, b.stride), (BK, BN))?
+        tensor_map(op, input, b.ptr, (k, n, bmul(b)), (b.ld, b.stride), (BK, BN / 2))?
     } else {
         tensor_map(op, input, b.ptr, (n, k, bmul(b)), (b.ld, b.stride), (64, BK))?
     };
@@ -124,8 +128,10 @@ pub(crate) fn launch(
     let words: Vec<u64> = map_a.iter().chain(map_b.iter()).copied().collect();
     maps.copy_from_host_async(&words)?;
     let flags = if a.stride != 0 { A_BATCHED } else { 0 } | if b.stride != 0 { B_BATCHED } else { 0 };
+    // Persistent: as many clusters as fit at once (66 on a 132-SM H100), or one per tile.
+    let resident = dev.max_active_clusters(kernel.name(), CLUSTER, THREADS, SMEM_BYTES)?.max(1);
     let cfg = LaunchConfig {
-        grid: ((tiles as u32).min(dev.sm_count()), 1, 1),
+        grid: ((tiles as u32).min(resident) * CLUSTER, 1, 1),
         block: (THREADS, 1, 1),
         shared_bytes: SMEM_BYTES,
     };

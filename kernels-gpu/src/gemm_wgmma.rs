@@ -33,7 +33,11 @@ pub const BK: u32 = 64;
 pub const STAGES: u32 = 4;
 /// Threads per block: a producer warpgroup and two consumers.
 pub const THREADS: u32 = 384;
-/// Tile rows walked together ([`tile_coords`]).
+/// Blocks per cluster: the two blocks of a cluster take vertically adjacent tiles, which share
+/// their slice of B: each block loads half of it and the copy engine writes it into both
+/// (multicast), which halves B's traffic from L2.
+pub const CLUSTER: u32 = 2;
+/// Cluster tile rows (of `CLUSTER * BM` rows) walked together ([`tile_coords`]).
 pub const GROUP_M: u32 = 8;
 
 const A_STAGE: u32 = BM * BK * 2;
@@ -54,8 +58,8 @@ pub const B_BATCHED: u32 = 2;
 /// and the flags ([`A_BATCHED`], [`B_BATCHED`]).
 pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32);
 
-/// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles: `(batch, tile row,
-/// tile column)`. Within a batch, groups of [`GROUP_M`] tile rows are walked column by column,
+/// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles (here the tiles of a
+/// cluster, `CLUSTER * BM x BN`): `(batch, tile row, tile column)`. Within a batch, groups of [`GROUP_M`] tile rows are walked column by column,
 /// so consecutive tiles share B's columns and a group's A rows stay in L2.
 pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) {
     let per_batch = tiles_m * tiles_n;
@@ -116,6 +120,7 @@ mod device {
     ) {
         let tid = thread_idx_x();
         let wg = tid / 128;
+        let rank = cluster_rank();
         let base = (dyn_smem_addr() + 1023) & !1023;
         let a_s = base;
         let b_s = base + STAGES * A_STAGE;
@@ -128,13 +133,16 @@ mod device {
             if tid == 0 {
                 for s in 0..STAGES {
                     mbarrier_init(full(s), 1);
-                    mbarrier_init(empty(s), CONSUMERS);
+                    // A stage holds B rows that both blocks loaded: both blocks' consumers
+                    // release it.
+                    mbarrier_init(empty(s), CONSUMERS * CLUSTER);
                 }
                 fence_mbarrier_init();
             }
         }
-        sync_threads();
-        let tiles_m = e.m.div_ceil(BM);
+        // The other block's barriers are initialised before anything signals them.
+        cluster_sync();
+        let tiles_m = e.m.div_ceil(BM * CLUSTER);
         let tiles_n = e.n.div_ceil(BN);
         let total = tiles_m * tiles_n * batch;
         let k_tiles = k.div_ceil(BK);
@@ -142,66 +150,87 @@ mod device {
         if wg == 0 {
             // SAFETY: the whole warpgroup; the kernel's `.maxntid`/`.minnctapersm` cap it.
             unsafe { setmaxnreg::<false, 40>() };
-            if tid != 0 {
-                return;
-            }
             // SAFETY: the host wrote both maps before the launch; each copy lands in its stage
-            // of the ring, which the consumers released (the empty barrier's phase), and is
-            // signalled to that stage's full barrier, which expects exactly the stage's bytes
-            // (the copy engine counts the zero-filled elements outside the tensor too).
-            unsafe {
-                let map_a = maps;
-                let map_b = maps.add(16);
-                fence_tensormap(map_a);
-                fence_tensormap(map_b);
-                let (mut s, mut ph) = (0u32, 0u32);
-                let mut t = block_idx_x();
-                while t < total {
-                    let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
-                    let za = if flags & A_BATCHED != 0 { b as i32 } else { 0 };
-                    let zb = if flags & B_BATCHED != 0 { b as i32 } else { 0 };
-                    let (m0, n0) = ((tm * BM) as i32, (tn * BN) as i32);
-                    for kt in 0..k_tiles {
-                        mbarrier_wait_parity(empty(s), ph ^ 1);
-                        mbarrier_arrive_expect_tx(full(s), A_STAGE + B_STAGE);
-                        let kc = (kt * BK) as i32;
-                        let (a_dst, b_dst) = (a_s + s * A_STAGE, b_s + s * B_STAGE);
-                        if A_MN == 1 {
-                            // Two boxes of 64 rows of M by 64 of K, each 64 K rows of 128 bytes.
-                            tma_load_3d(a_dst, map_a, full(s), m0, kc, za);
-                            tma_load_3d(a_dst + A_STAGE / 2, map_a, full(s), m0 + 64, kc, za);
-                        } else {
-                            tma_load_3d(a_dst, map_a, full(s), kc, m0, za);
-                        }
-                        if B_MN == 1 {
-                            for j in 0..4 {
-                                tma_load_3d(b_dst + j * (B_STAGE / 4), map_b, full(s), n0 + 64 * j as i32, kc, zb);
+            // of the ring (in both blocks, for B), which the consumers of both blocks released
+            // (the empty barrier's phase), and is signalled to that stage's full barrier, which
+            // expects exactly the stage's bytes (the copy engine counts the zero-filled
+            // elements outside the tensor too).
+            if tid == 0 {
+                unsafe {
+                    let map_a = maps;
+                    let map_b = maps.add(16);
+                    fence_tensormap(map_a);
+                    fence_tensormap(map_b);
+                    let (mut s, mut ph) = (0u32, 0u32);
+                    let mut t = cluster_idx_x();
+                    while t < total {
+                        let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
+                        let za = if flags & A_BATCHED != 0 { b as i32 } else { 0 };
+                        let zb = if flags & B_BATCHED != 0 { b as i32 } else { 0 };
+                        let (m0, n0) = (((tm * CLUSTER + rank) * BM) as i32, (tn * BN) as i32);
+                        for kt in 0..k_tiles {
+                            mbarrier_wait_parity(empty(s), ph ^ 1);
+                            mbarrier_arrive_expect_tx(full(s), A_STAGE + B_STAGE);
+                            let kc = (kt * BK) as i32;
+                            let (a_dst, b_dst) = (a_s + s * A_STAGE, b_s + s * B_STAGE);
+                            if A_MN == 1 {
+                                // Two boxes of 64 rows of M by 64 of K, each 64 K rows of 128 bytes.
+                                tma_load_3d(a_dst, map_a, full(s), m0, kc, za);
+                                tma_load_3d(a_dst + A_STAGE / 2, map_a, full(s), m0 + 64, kc, za);
+                            } else {
+                                tma_load_3d(a_dst, map_a, full(s), kc, m0, za);
                             }
-                        } else {
-                            tma_load_3d(b_dst, map_b, full(s), kc, n0, zb);
+                            // This block's half of B, into both blocks.
+                            if B_MN == 1 {
+                                for j in 2 * rank..2 * rank + 2 {
+                                    let c = (n0 + 64 * j as i32, kc, zb);
+                                    tma_load_3d_multicast(b_dst + j * (B_STAGE / 4), map_b, full(s), c, 0b11);
+                                }
+                            } else {
+                                let c = (kc, n0 + (BN / 2 * rank) as i32, zb);
+                                tma_load_3d_multicast(b_dst + rank * (B_STAGE / 2), map_b, full(s), c, 0b11);
+                            }
+                            s += 1;
+                            if s == STAGES {
+                                s = 0;
+                                ph ^= 1;
+                            }
                         }
-                        s += 1;
-                        if s == STAGES {
-                            s = 0;
-                            ph ^= 1;
-                        }
+                        t += cluster_count_x();
                     }
-                    t += grid_dim_x();
                 }
             }
-            return;
+        } else {
+            consume::<BF16, O, A_MN, B_MN>(&e, (a_s, b_s, bars), (tiles_m, tiles_n, total), k_tiles);
         }
+        // No block exits while the other may still signal its barriers or write its ring.
+        cluster_sync();
+    }
 
+    /// The consumer warpgroups' part of [`gemm`]: `(a_s, b_s, bars)` the ring and its barriers,
+    /// `tiles` the walk's `(tiles_m, tiles_n, total)`.
+    #[inline(always)]
+    fn consume<const BF16: bool, O: Elem, const A_MN: u32, const B_MN: u32>(
+        e: &Epilogue,
+        (a_s, b_s, bars): (u32, u32, u32),
+        (tiles_m, tiles_n, total): (u32, u32, u32),
+        k_tiles: u32,
+    ) {
+        let full = |s: u32| bars + 8 * s;
+        let empty = |s: u32| bars + 8 * (STAGES + s);
+        let tid = thread_idx_x();
+        let rank = cluster_rank();
         // SAFETY: the whole warpgroup (both consumers run this branch whole).
         unsafe { setmaxnreg::<true, 232>() };
-        let cw = wg - 1;
+        let cw = tid / 128 - 1;
         let lane = tid % 32;
         let warp = (tid % 128) / 32;
         let leader = tid % 128 == 0;
         let (mut s, mut ph) = (0u32, 0u32);
-        let mut t = block_idx_x();
+        let mut t = cluster_idx_x();
         while t < total {
             let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
+            let tm = tm * CLUSTER + rank;
             // Zeroed, not `[0.0; 128]`: rustc writes a repeat as a loop with a variable index,
             // which keeps the array out of registers.
             // SAFETY: all-zero bits are 0.0.
@@ -226,6 +255,7 @@ mod device {
                     wgmma_wait::<1>(&mut acc);
                     if leader && prev != STAGES {
                         mbarrier_arrive(empty(prev));
+                        mbarrier_arrive_cluster(empty(prev), rank ^ 1);
                     }
                     prev = s;
                     s += 1;
@@ -237,16 +267,17 @@ mod device {
                 wgmma_wait::<0>(&mut acc);
                 if leader && prev != STAGES {
                     mbarrier_arrive(empty(prev));
+                    mbarrier_arrive_cluster(empty(prev), rank ^ 1);
                 }
             }
             let row = tm * BM + cw * 64 + warp * 16 + lane / 4;
             let col = tn * BN + 2 * (lane % 4);
             // SAFETY: the stores check rows and columns against the epilogue's m and n.
             unsafe {
-                if is_plain(&e) {
+                if is_plain(e) {
                     unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
-                        store_pair_plain::<O>(&e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
-                        store_pair_plain::<O>(&e, b, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
+                        store_pair_plain::<O>(e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
+                        store_pair_plain::<O>(e, b, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
                     });
                 } else {
                     // A copy, so that only it (not the accumulators) lives in local memory.
@@ -258,10 +289,10 @@ mod device {
                         out[4 * J + 2] = acc[4 * J + 2];
                         out[4 * J + 3] = acc[4 * J + 3];
                     });
-                    store_tile::<O>(&e, b, row, col, &out);
+                    store_tile::<O>(e, b, row, col, &out);
                 }
             }
-            t += grid_dim_x();
+            t += cluster_count_x();
         }
     }
 }

@@ -822,6 +822,44 @@ pub unsafe fn tma_load_3d(dst: u32, map: *const u64, bar: u32, c0: i32, c1: i32,
     }
 }
 
+/// [`tma_load_3d`] into the shared memory of every block of the cluster in `mask` (bit `r`:
+/// rank `r`), at the address `dst` has in this block, signalled to each one's mbarrier at the
+/// address `bar` has in this block (`.multicast::cluster`).
+///
+/// # Safety
+/// As [`tma_load_3d`], for every block in `mask`: each running (past a [`cluster_sync`] after
+/// its barrier's initialisation) and its barrier expecting the bytes.
+#[inline(always)]
+pub unsafe fn tma_load_3d_multicast(dst: u32, map: *const u64, bar: u32, (c0, c1, c2): (i32, i32, i32), mask: u16) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{c0}, {c1}, {c2}}}], [{b}], {k};",
+            d = in(reg32) dst, m = in(reg64) map, b = in(reg32) bar,
+            c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2, k = in(reg16) mask,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Arrives once on the mbarrier of block `rank` of this cluster at the address `addr` has in
+/// this block, releasing this thread's earlier accesses at cluster scope.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier in the dynamic shared memory of every block, `rank`
+/// below the cluster size, and that block running.
+#[inline(always)]
+pub unsafe fn mbarrier_arrive_cluster(addr: u32, rank: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "{{ .reg .b32 ra; mapa.shared::cluster.u32 ra, {a}, {r}; mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }}",
+            a = in(reg32) addr, r = in(reg32) rank,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
 /// Arrives on the mbarrier at `addr` (this block's), once.
 ///
 /// # Safety
