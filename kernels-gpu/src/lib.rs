@@ -44,6 +44,8 @@ pub mod dtype;
 pub mod elementwise;
 pub mod fastmath;
 pub mod gemm;
+pub mod gemm_epilogue;
+pub mod gemm_tc;
 pub mod gemm_tf32x3;
 pub mod init;
 pub mod kernel;
