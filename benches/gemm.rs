@@ -6,6 +6,12 @@
 //! docs/worklog.md, 2026-11-24b-gemm). The `3xtf32` cases run the same shapes with
 //! `Precision::Tf32x3` (still against cuBLAS's FP32 product), and `accuracy` prints the relative
 //! error of both precisions, cuBLAS FP32 and cuBLAS TF32 against an f64 product on the same data.
+//! The `bf16` and `f16` cases run the tensor-core GEMM (`host/ops/gemm_tc.rs`) against cuBLAS's
+//! `cublasGemmEx` with the same input and output dtype and f32 accumulation
+//! (`CUBLAS_COMPUTE_32F`, what PyTorch's `F.linear` in bf16 runs), at the shapes of a transformer's
+//! layers (4096^3, 8192^3, 2048^3, 8192x11008x4096, 8192x4096x11008, and the skinny
+//! 128x4096x4096 and 16x4096x4096, the latter bound by reading W), plus the fused
+//! `gelu(x @ W^T + b)` against cuBLAS's plain product.
 //!
 //! Method: for each case, ours and cuBLAS alternate in rounds of 5 launches, each launch between
 //! two CUDA events, after a warm-up of 3 launches each; the median over all timed launches is
@@ -27,6 +33,8 @@ use kernels::{DType, Device, Result, Tensor};
 
 struct Case {
     name: String,
+    /// The dtype of A, B and C: f32 (FMAs or 3xTF32), or bf16/f16 on the tensor cores.
+    dtype: DType,
     g: Gemm,
     m: usize,
     n: usize,
@@ -46,7 +54,7 @@ fn cases() -> Vec<Case> {
             (true, _) => "linear_bias_relu_3xtf32",
         };
         let g = Gemm { precision: Some(precision), ..Gemm::new(ta, tb) };
-        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), g, m, n, k, linear });
+        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), dtype: DType::F32, g, m, n, k, linear });
     };
     let mut add = |m, n, k, ta, tb, linear| add_p(m, n, k, ta, tb, linear, Precision::Highest);
     add(4096, 4096, 4096, false, false, false);
@@ -77,6 +85,27 @@ fn cases() -> Vec<Case> {
     add_p(4096, 4096, 4096, true, true, false, p);
     add_p(1000, 1000, 1000, false, false, false, p);
     add_p(64, 1024, 1024, false, true, true, p);
+    // bf16 and f16 on the tensor cores, against cuBLAS in the same dtype. `nt` is the linear
+    // layer's forward (x W^T); the fused case is gelu(x W^T + b).
+    for dtype in [DType::BF16, DType::F16] {
+        let mut add_h = |m: usize, n: usize, k: usize, ta: bool, tb: bool, linear: bool| {
+            let ops = format!("{}{}", if ta { 't' } else { 'n' }, if tb { 't' } else { 'n' });
+            let what = if linear { "linear_bias_gelu" } else { "gemm" };
+            let name = format!("gemm/{}/{what}_{ops}@{m}x{n}x{k}", dtype.suffix());
+            v.push(Case { name, dtype, g: Gemm::new(ta, tb), m, n, k, linear });
+        };
+        for (m, n, k) in
+            [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 2048, 2048), (8192, 11008, 4096), (8192, 4096, 11008)]
+        {
+            add_h(m, n, k, false, false, false);
+            add_h(m, n, k, false, true, false);
+        }
+        add_h(128, 4096, 4096, false, true, false);
+        add_h(16, 4096, 4096, false, true, false);
+        add_h(4096, 4096, 4096, true, false, false);
+        add_h(4096, 4096, 4096, true, true, false);
+        add_h(8192, 4096, 4096, false, true, true);
+    }
     v
 }
 
@@ -119,26 +148,76 @@ unsafe fn cublas_sgemm(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: 
     }
 }
 
+/// cuBLAS's row-major product of bf16 or f16 matrices (`cs.dtype`) into C of the same dtype,
+/// accumulated in f32 (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`), arranged as [`cublas_sgemm`].
+///
+/// # Safety
+/// As [`cublas_sgemm`].
+unsafe fn cublas_gemm_half(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+    use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    let (m, n, k) = (cs.m as i32, cs.n as i32, cs.k as i32);
+    let lda = if cs.g.trans_a { m } else { k };
+    let ldb = if cs.g.trans_b { k } else { n };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let ty = match cs.dtype {
+        DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+        _ => cublas_sys::cudaDataType::CUDA_R_16BF,
+    };
+    // SAFETY: per the function contract; alpha and beta are f32, as CUBLAS_COMPUTE_32F wants.
+    unsafe {
+        cublas::gemm_ex(
+            h,
+            if cs.g.trans_b { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            if cs.g.trans_a { CUBLAS_OP_T } else { CUBLAS_OP_N },
+            n,
+            m,
+            k,
+            (&alpha as *const f32).cast(),
+            b.device_ptr() as *const std::ffi::c_void,
+            ty,
+            ldb,
+            a.device_ptr() as *const std::ffi::c_void,
+            ty,
+            lda,
+            (&beta as *const f32).cast(),
+            c.device_ptr() as *mut std::ffi::c_void,
+            ty,
+            n,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .expect("cublasGemmEx");
+    }
+}
+
+/// cuBLAS's product for the case's dtype.
+///
+/// # Safety
+/// As [`cublas_sgemm`].
+unsafe fn cublas_any(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+    // SAFETY: per the function contract.
+    unsafe { if cs.dtype == DType::F32 { cublas_sgemm(h, cs, a, b, c) } else { cublas_gemm_half(h, cs, a, b, c) } }
+}
+
 fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize) -> Result<(f64, f64)> {
     let (ar, ac) = if cs.g.trans_a { (cs.k, cs.m) } else { (cs.m, cs.k) };
     let (br, bc) = if cs.g.trans_b { (cs.n, cs.k) } else { (cs.k, cs.n) };
-    let a = Tensor::rand_normal(dev, &[ar, ac], DType::F32, 0.0, 1.0, 1)?;
-    let b = Tensor::rand_normal(dev, &[br, bc], DType::F32, 0.0, 1.0, 2)?;
-    let bias = Tensor::rand_normal(dev, &[cs.n], DType::F32, 0.0, 1.0, 3)?;
-    let mut c = Tensor::zeros(dev, &[cs.m, cs.n], DType::F32)?;
-    let mut c_ref = Tensor::zeros(dev, &[cs.m, cs.n], DType::F32)?;
+    let dt = cs.dtype;
+    let a = Tensor::rand_normal(dev, &[ar, ac], dt, 0.0, 1.0, 1)?;
+    let b = Tensor::rand_normal(dev, &[br, bc], dt, 0.0, 1.0, 2)?;
+    let bias = Tensor::rand_normal(dev, &[cs.n], dt, 0.0, 1.0, 3)?;
+    let mut c = Tensor::zeros(dev, &[cs.m, cs.n], dt)?;
+    let mut c_ref = Tensor::zeros(dev, &[cs.m, cs.n], dt)?;
+    // The fused linear layer: relu in f32 (as measured before), GELU in bf16/f16.
+    let act = if dt == DType::F32 { Activation::Relu } else { Activation::Gelu };
     let ours = |c: &mut Tensor| -> Result<()> {
-        if cs.linear {
-            ops::gemm_ex(&a, &b, c, cs.g, Some(&bias), Activation::Relu)
-        } else {
-            ops::gemm(&a, &b, c, cs.g)
-        }
+        if cs.linear { ops::gemm_ex(&a, &b, c, cs.g, Some(&bias), act) } else { ops::gemm(&a, &b, c, cs.g) }
     };
     let (mut t_ours, mut t_blas) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         ours(&mut c)?;
         // SAFETY: the tensors live until the synchronisation below.
-        unsafe { cublas_sgemm(h, cs, &a, &b, &mut c_ref) };
+        unsafe { cublas_any(h, cs, &a, &b, &mut c_ref) };
     }
     dev.synchronize()?;
     let rounds = iters.div_ceil(5);
@@ -156,7 +235,7 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
         for _ in 0..5 {
             let s = dev.record_event()?;
             // SAFETY: as above; elapsed_ms waits for the end events.
-            unsafe { cublas_sgemm(h, cs, &a, &b, &mut c_ref) };
+            unsafe { cublas_any(h, cs, &a, &b, &mut c_ref) };
             ev.push((s, dev.record_event()?));
         }
         for (s, e) in &ev {
@@ -167,11 +246,17 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
     // A sanity check that both computed the same product (on a sample; the tests do the real
     // checking): relative difference of a few entries.
     if !cs.linear {
-        let (x, y) = (c.to_vec::<f32>()?, c_ref.to_vec::<f32>()?);
+        let (x, y) = (c.to_f32_vec()?, c_ref.to_f32_vec()?);
         let step = (x.len() / 97).max(1);
+        // Both round the f32 sums to the output dtype once: up to an ulp of it apart.
+        let tol = match dt {
+            DType::F32 => 1e-3,
+            DType::F16 => 2e-3,
+            DType::BF16 => 1e-2,
+        };
         for i in (0..x.len()).step_by(step) {
             let d = (x[i] - y[i]).abs() / (y[i].abs() + (cs.k as f32).sqrt());
-            assert!(d < 1e-3, "{}: ours {} vs cuBLAS {} at {i}", cs.name, x[i], y[i]);
+            assert!(d < tol, "{}: ours {} vs cuBLAS {} at {i}", cs.name, x[i], y[i]);
         }
     }
     Ok((median(&mut t_ours), median(&mut t_blas)))
@@ -226,7 +311,7 @@ fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
                 ops::gemm(&a, &b, &mut c, Gemm { precision: Some(precision), ..Gemm::default() })?;
                 row.push(err(&c.to_vec::<f32>()?));
             }
-            let cs = Case { name: String::new(), g: Gemm::default(), m, n, k, linear: false };
+            let cs = Case { name: String::new(), dtype: DType::F32, g: Gemm::default(), m, n, k, linear: false };
             for math in
                 [cublas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH, cublas_sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH]
             {

@@ -258,3 +258,24 @@ fn register_resident_row_kernels_have_launch_bounds() {
     }
     assert!(seen >= 20, "expected the row kernels with four and eight vectors per thread, found {seen}");
 }
+
+/// The tensor-core GEMM's tile kernels carry `.maxntid 256` and `.minnctapersm 2` (two blocks an
+/// SM, so ptxas keeps them within 128 registers), the block their launch uses.
+#[test]
+fn tensor_core_gemm_kernels_have_launch_bounds() {
+    let ptx = ptx();
+    let mut seen = 0;
+    let mut lines = ptx.lines();
+    while let Some(l) = lines.next() {
+        let Some(rest) = l.trim_start().strip_prefix(".visible .entry ") else { continue };
+        let name = rest.split('(').next().unwrap().trim();
+        if !name.starts_with("gemm_tc_") || name.contains("splitk") {
+            continue;
+        }
+        let after: Vec<&str> = lines.by_ref().skip_while(|l| l.trim() != ")").take(3).map(str::trim).collect();
+        assert_eq!(after[1..], [".maxntid 256, 1, 1", ".minnctapersm 2"], "`{name}`");
+        seen += 1;
+    }
+    assert_eq!(seen, 24, "expected 2 input x 3 output dtypes x 4 layouts");
+    assert_eq!(kernels_gpu::gemm_tc::THREADS, 256);
+}

@@ -261,6 +261,11 @@ pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
     if kernel.starts_with("gemm_tf32x3") {
         return Some((256, None));
     }
+    // The bf16/f16 tensor-core kernels (kernels-gpu/src/gemm_tc.rs): 256 threads, two blocks an
+    // SM (two 80 KiB rings fit), i.e. 128 registers; their split-K reduction has no bound.
+    if kernel.starts_with("gemm_tc_") {
+        return (!kernel.contains("splitk")).then_some((256, Some(2)));
+    }
     let tile = kernel.strip_prefix("gemm_")?.rsplit('_').next()?;
     let (bm, bn) = tile.split_once('x')?;
     let threads = bm.parse::<u32>().ok()? * bn.parse::<u32>().ok()? / 64;

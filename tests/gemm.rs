@@ -440,7 +440,7 @@ fn errors(dev: &Device) -> Result<(), String> {
     let mut c_bad = t(&[4, 8])?;
     want(ops::gemm(&a, &b, &mut c_bad, Gemm::default()), "C must be 4 x 7")?;
     let h = Tensor::zeros(dev, &[4, 5], DType::BF16).map_err(e)?;
-    want(ops::gemm(&h, &b, &mut c, Gemm::default()), "f32 only")?;
+    want(ops::gemm(&h, &b, &mut c, Gemm::default()), "both bf16 or both f16")?;
     let bias = t(&[8])?;
     want(ops::gemm_ex(&a, &b, &mut c, Gemm::default(), Some(&bias), Activation::Relu), "bias must have shape [7]")?;
     want(ops::gemm_ex(&a, &b, &mut c, Gemm::default(), None, Activation::Mish), "cannot be fused")?;

@@ -135,10 +135,10 @@ pub(crate) fn fused_activation(act: Activation) -> Option<u32> {
 }
 
 /// The shortest K slice of a split: `plan` keeps every slice at least this long.
-const MIN_SLICE: u64 = 256;
+pub(crate) const MIN_SLICE: u64 = 256;
 
 /// Largest `grid.y` and `grid.z`; larger problems are launched in pieces.
-const MAX_GRID_YZ: u64 = 65_535;
+pub(crate) const MAX_GRID_YZ: u64 = 65_535;
 
 /// How one GEMM runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,7 +176,7 @@ fn plan(m: u64, n: u64, k: u64, batch: u64, sms: u64) -> GemmPlan {
 }
 
 /// One operand's shape: `(batch or None for a 2-D tensor, rows, cols)` as stored.
-fn dims(op: &'static str, name: &str, t: &Tensor) -> Result<(Option<usize>, usize, usize)> {
+pub(crate) fn dims(op: &'static str, name: &str, t: &Tensor) -> Result<(Option<usize>, usize, usize)> {
     match *t.shape() {
         [r, c] => Ok((None, r, c)),
         [b, r, c] => Ok((Some(b), r, c)),
@@ -202,8 +202,9 @@ fn check_f32(op: &'static str, name: &str, t: &Tensor) -> Result<()> {
 pub(crate) type Dims = (Option<usize>, usize, usize);
 
 /// Problem sizes `(batch, m, n, k)` of `op(A) @ op(B)` into C, checked; `da`, `db`, `dc` are the
-/// operands' [`Dims`], whose element counts must be the tensors'.
-fn problem(
+/// operands' [`Dims`], whose element counts must be the tensors'. The dtypes are the caller's to
+/// check.
+pub(crate) fn problem(
     op: &'static str,
     (a, da): (&Tensor, Dims),
     (b, db): (&Tensor, Dims),
@@ -211,7 +212,6 @@ fn problem(
     g: &Gemm,
 ) -> Result<(u64, u64, u64, u64)> {
     for (name, t, d) in [("A", a, da), ("B", b, db), ("C", c, dc)] {
-        check_f32(op, name, t)?;
         if d.0.unwrap_or(1) * d.1 * d.2 != t.numel() {
             return Err(Error::InvalidArgument {
                 op,
@@ -341,8 +341,14 @@ fn launch_tiles(
 
 /// The GEMM with every option: `C = act(alpha * op(A) @ op(B) + beta * C + bias)`, `bias` a
 /// vector of `n` (one per column of C), `act` one of the activations [`Gemm::can_fuse`]
-/// accepts. A, B and C are f32 matrices (2-D) or batches (3-D); a 2-D A or B is shared by every
+/// accepts. A, B and C are matrices (2-D) or batches (3-D); a 2-D A or B is shared by every
 /// matrix of a batched C. Any sizes, empty ones included (`k = 0` gives `act(beta * C + bias)`).
+///
+/// Dtypes: A, B and C all f32 (f32 FMAs or 3xTF32, [`Precision`]); or A and B both bf16 or both
+/// f16, on the tensor cores with f32 accumulation, C (and bias) bf16, f16 or f32, the result
+/// rounded once to C's dtype ([`mod@super::gemm_tc`]; `g.precision` does not apply). Other
+/// mixes are an [`Error::InvalidArgument`]. [`gemm_fused`](super::gemm_fused) adds a row bias
+/// and a residual.
 pub fn gemm_ex(a: &Tensor, b: &Tensor, c: &mut Tensor, g: Gemm, bias: Option<&Tensor>, act: Activation) -> Result<()> {
     let op = "gemm";
     let (da, db, dc) = (dims(op, "A", a)?, dims(op, "B", b)?, dims(op, "C", c)?);
@@ -359,6 +365,11 @@ pub(crate) fn gemm_dims(
     bias: Option<&Tensor>,
     act: Activation,
 ) -> Result<()> {
+    if [a.dtype(), b.dtype(), c.dtype()] != [DType::F32; 3] {
+        // bf16 and f16 operands: the tensor cores (and the errors for mixed dtypes).
+        let epi = super::gemm_tc::Epilogue { bias, act, ..Default::default() };
+        return super::gemm_tc::gemm_tc_dims(op, (a, da), (b, db), (c, dc), g, epi);
+    }
     let (batch, m, n, k) = problem(op, (a, da), (b, db), (c, dc), &g)?;
     let Some(epi) = fused_activation(act) else {
         return Err(Error::InvalidArgument {
@@ -447,8 +458,9 @@ pub fn gemm(a: &Tensor, b: &Tensor, c: &mut Tensor, g: Gemm) -> Result<()> {
     gemm_ex(a, b, c, g, None, Activation::Identity)
 }
 
-/// `A @ B` into a new tensor: `[m, k] @ [k, n] -> [m, n]`, or batched (`[b, m, k] @ [b, k, n]`,
-/// either side may be 2-D and is then shared by the batch).
+/// `A @ B` into a new tensor of A's dtype: `[m, k] @ [k, n] -> [m, n]`, or batched (`[b, m, k] @
+/// [b, k, n]`, either side may be 2-D and is then shared by the batch). f32 operands, or bf16
+/// (or f16) ones on the tensor cores, with f32 accumulation ([`gemm_ex`]).
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let op = "matmul";
     let (ba, m, _) = dims(op, "A", a)?;
@@ -457,7 +469,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Some(bt) => vec![bt, m, n],
         None => vec![m, n],
     };
-    let mut c = Tensor::alloc(op, a.device(), &shape, DType::F32)?;
+    // C of the operands' dtype (PyTorch's), accumulated in f32 whatever it is.
+    let mut c = Tensor::alloc(op, a.device(), &shape, a.dtype())?;
     gemm(a, b, &mut c, Gemm::default())?;
     Ok(c)
 }

@@ -185,7 +185,7 @@ pub fn gemm_wgmma(
         alpha,
         beta,
         act: kernels_gpu::gemm::EPI_IDENTITY,
-        flags: if pairs { kernels_gpu::gemm_epilogue::EPI_PAIRS } else { 0 },
+        flags: if pairs { kernels_gpu::gemm_epilogue::PAIR } else { 0 },
     };
     launch(op, &dev, (a.dtype(), c.dtype()), (1, m as u64, n as u64, k as u64), &oa, &ob, epi)
 }

@@ -6,8 +6,7 @@ pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod gemm;
-// Reached from the public GEMM once the bf16 dispatch lands; until then through `internals`.
-#[cfg_attr(not(feature = "internals"), allow(dead_code))]
+pub mod gemm_tc;
 pub mod gemm_wgmma;
 pub mod init;
 pub mod linear;
@@ -21,6 +20,7 @@ pub mod transpose;
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use gemm::*;
+pub use gemm_tc::{Epilogue, gemm_fused};
 pub use linear::*;
 pub use norm::*;
 pub use optim::*;
@@ -43,6 +43,7 @@ pub fn row_family_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::gemm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_wgmma::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::gemm_tc::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));

@@ -1,171 +1,244 @@
-//! The epilogue of the tensor-core GEMMs: what they do with each pair of f32 accumulators as
-//! they store it,
-//! `D = act(alpha * acc + beta * C + bias_col[col] + bias_row[row]) + residual[row, col]`,
-//! rounded to D's type (f32, bf16 or f16). D is C, updated in place; `beta = 0` never reads it.
+//! The fused epilogue of the tensor-core GEMMs (`gemm_tc.rs` and the split-K reduction; any
+//! other kernel that ends in f32 accumulators of a product, one pair of columns at a time):
+//!
+//! `D = act(alpha * acc + beta * C + bias_col[col] + bias_row[row]) + residual[row, col]`, cast
+//! to D's dtype, with C = D (read only when `beta != 0`).
+//!
+//! The value before the activation is [`crate::gemm::epilogue`]'s, the f32 GEMM's, with the two
+//! biases summed first, and the activation its [`crate::gemm::activate`]: the same functions and
+//! so the same results as the f32 kernels' epilogue in f32. Nothing here flushes or drops NaN or
+//! infinities: `alpha = 0` skips the product (so `0 * inf` is not NaN, as in BLAS), `beta = 0`
+//! never reads C (a NaN left in the output buffer cannot leak).
 
-use crate::kernel::Param;
+use crate::dtype::Elem;
 
-/// Bit of [`Epilogue::flags`]: every pair of columns `(2i, 2i + 1)` of D and of the residual
-/// starts at an address aligned to the pair's size, so a pair is one store (one load).
-pub const EPI_PAIRS: u32 = 1;
-
-/// The epilogue's parameters, one kernel parameter. Pointers are device addresses of D's
-/// element type (the kernel's output type); null ones are absent.
+/// What a tensor-core GEMM does with its f32 accumulators as it stores D (= C):
+/// D = act(alpha * acc + beta * C + bias_col[col] + bias_row[row]) + residual[row, col], cast to D's dtype.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Epilogue {
-    /// C, overwritten by D: the launch's first matrix.
+    /// C/D base of this launch (dtype = the kernel's output type).
     pub d: *mut u8,
-    /// Elements between rows of D (and of the residual).
+    /// Row stride of D, in elements.
     pub ldd: u64,
-    /// Elements between the matrices of a batch of D (and of the residual).
+    /// Elements between the batch matrices of D.
     pub stride_d: u64,
-    /// Null, or a tensor laid out as D, added after the activation.
+    /// Null, or same dtype/ld/stride as D.
     pub residual: *const u8,
-    /// Null, or `n` values, one per column, added before the activation.
+    /// Null, or `n` elements of D's dtype.
     pub bias_col: *const u8,
-    /// Null, or `m` values, one per row, added before the activation.
+    /// Null, or `m` elements of D's dtype.
     pub bias_row: *const u8,
-    /// Rows of D.
+    /// Rows of D (of this launch).
     pub m: u32,
     /// Columns of D.
     pub n: u32,
     /// The product's factor.
     pub alpha: f32,
-    /// C's factor; 0: C is not read.
+    /// C's factor; 0: C is never read.
     pub beta: f32,
-    /// One of the `EPI_*` activations of [`crate::gemm`].
+    /// One of the `EPI_*` codes of `gemm.rs` (identity, relu, gelu, gelu_tanh, silu).
     pub act: u32,
-    /// [`EPI_PAIRS`] or 0.
+    /// [`PAIR`] or 0.
     pub flags: u32,
 }
 
-impl Param for Epilogue {}
+/// [`Epilogue::flags`]: D's and the residual's rows (and batches) allow 2-element vector access,
+/// i.e. `ldd` and `stride_d` are even and both bases are aligned to two elements.
+pub const PAIR: u32 = 1;
 
-#[cfg(target_arch = "nvptx64")]
-pub use device::{is_plain, store_pair, store_pair_plain};
+/// A kernel parameter: a plain `#[repr(C)]` value of pointers and integers (72 bytes, alignment
+/// 8), which the PTX declares with the same layout (`.param .align 8 .b8 [72]`).
+impl crate::kernel::Param for Epilogue {}
 
-#[cfg(target_arch = "nvptx64")]
-mod device {
-    use super::*;
-    use crate::dtype::Elem;
-    use crate::gemm::epilogue;
-
-    #[inline(always)]
-    unsafe fn load<O: Elem>(p: *const u8, i: u64) -> f32 {
-        // SAFETY: the caller's bounds.
-        unsafe { (*(p as *const O).add(i as usize)).to_f32() }
-    }
-
-    /// Loads the pair at element `i` (even, with [`EPI_PAIRS`]) as one access.
-    #[inline(always)]
-    unsafe fn load_pair<O: Elem>(p: *const u8, i: u64) -> [f32; 2] {
-        // SAFETY: the caller's bounds and alignment.
-        unsafe {
-            if size_of::<O>() == 2 {
-                let w = *(p as *const u32).add(i as usize / 2);
-                let lo: O = core::mem::transmute_copy(&(w as u16));
-                let hi: O = core::mem::transmute_copy(&((w >> 16) as u16));
-                [lo.to_f32(), hi.to_f32()]
-            } else {
-                let w = *(p as *const u64).add(i as usize / 2);
-                [f32::from_bits(w as u32), f32::from_bits((w >> 32) as u32)]
-            }
-        }
-    }
-
-    /// Whether the epilogue is a plain store: `alpha = 1`, no C, bias, activation or residual,
-    /// and pairs aligned ([`store_pair_plain`] applies).
-    #[inline(always)]
-    pub fn is_plain(e: &Epilogue) -> bool {
-        e.alpha == 1.0
-            && e.beta == 0.0
-            && e.act == crate::gemm::EPI_IDENTITY
-            && e.bias_col.is_null()
-            && e.bias_row.is_null()
-            && e.residual.is_null()
-            && e.flags & EPI_PAIRS != 0
-    }
-
-    /// [`store_pair`] where [`is_plain`] holds: the values rounded and stored, nothing else.
+/// A storage type of D: f32, f16 or bf16, with loads and stores of one element or an aligned
+/// pair (the low address holds the first).
+pub trait OutType: Elem {
+    /// Loads the element at `p`.
     ///
     /// # Safety
-    /// As [`store_pair`].
-    #[inline(always)]
-    pub unsafe fn store_pair_plain<O: Elem>(e: &Epilogue, batch: u32, row: u32, col: u32, v: [f32; 2]) {
-        if row >= e.m || col >= e.n {
-            return;
-        }
-        let i = batch as u64 * e.stride_d + row as u64 * e.ldd + col as u64;
-        // SAFETY: (row, col) is inside D, and (row, col + 1) where both are written; pairs are
-        // aligned (EPI_PAIRS).
-        unsafe {
-            if col + 1 < e.n {
-                store_pair_raw::<O>(e.d, i, v);
-            } else {
-                *(e.d as *mut O).add(i as usize) = O::from_f32(v[0]);
-            }
-        }
-    }
-
-    /// Stores the pair `v` at element `i` (even, with [`EPI_PAIRS`]) as one access.
-    #[inline(always)]
-    unsafe fn store_pair_raw<O: Elem>(d: *mut u8, i: u64, v: [f32; 2]) {
-        // SAFETY: the caller's bounds and alignment.
-        unsafe {
-            if size_of::<O>() == 2 {
-                let lo: u16 = core::mem::transmute_copy(&O::from_f32(v[0]));
-                let hi: u16 = core::mem::transmute_copy(&O::from_f32(v[1]));
-                *(d as *mut u32).add(i as usize / 2) = lo as u32 | (hi as u32) << 16;
-            } else {
-                *(d as *mut u64).add(i as usize / 2) = v[0].to_bits() as u64 | (v[1].to_bits() as u64) << 32;
-            }
-        }
-    }
-
-    /// Stores `D[batch][row][col]` and `D[batch][row][col + 1]` from the accumulators `v`,
-    /// through the epilogue; elements outside `m x n` are skipped.
+    /// `p` must point at one readable, aligned element in global memory.
+    #[cfg(target_arch = "nvptx64")]
+    unsafe fn load1(p: *const u8) -> f32;
+    /// Stores `v`, rounded to nearest even, at `p`.
     ///
     /// # Safety
-    /// `e` must describe D, the residual and the biases as its fields say, for `batch`.
+    /// `p` must point at one writable, aligned element in global memory.
+    #[cfg(target_arch = "nvptx64")]
+    unsafe fn store1(p: *mut u8, v: f32);
+    /// Loads the two elements at `p`.
+    ///
+    /// # Safety
+    /// `p` must point at two readable elements, aligned to their combined size.
+    #[cfg(target_arch = "nvptx64")]
+    unsafe fn load2(p: *const u8) -> [f32; 2];
+    /// Stores both of `v` at `p`, rounded to nearest even.
+    ///
+    /// # Safety
+    /// `p` must point at two writable elements, aligned to their combined size.
+    #[cfg(target_arch = "nvptx64")]
+    unsafe fn store2(p: *mut u8, v: [f32; 2]);
+}
+
+impl OutType for f32 {
+    #[cfg(target_arch = "nvptx64")]
     #[inline(always)]
-    pub unsafe fn store_pair<O: Elem>(e: &Epilogue, batch: u32, row: u32, col: u32, v: [f32; 2]) {
-        if row >= e.m || col >= e.n {
-            return;
+    unsafe fn load1(p: *const u8) -> f32 {
+        // SAFETY: per the contract.
+        unsafe { *(p as *const f32) }
+    }
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    unsafe fn store1(p: *mut u8, v: f32) {
+        // SAFETY: per the contract.
+        unsafe { *(p as *mut f32) = v }
+    }
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    unsafe fn load2(p: *const u8) -> [f32; 2] {
+        // SAFETY: per the contract (8 bytes, 8-byte aligned).
+        let w = unsafe { crate::prim::ld_global_v2(p as *const u32) };
+        [f32::from_bits(w[0]), f32::from_bits(w[1])]
+    }
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    unsafe fn store2(p: *mut u8, v: [f32; 2]) {
+        // SAFETY: per the contract.
+        unsafe { crate::prim::st_global_v2(p as *mut u32, [v[0].to_bits(), v[1].to_bits()]) }
+    }
+}
+
+macro_rules! half_out {
+    ($t:ty, $to:path, $pack:path, $one:path) => {
+        impl OutType for $t {
+            #[cfg(target_arch = "nvptx64")]
+            #[inline(always)]
+            unsafe fn load1(p: *const u8) -> f32 {
+                // SAFETY: per the contract.
+                $to(unsafe { *(p as *const u16) })
+            }
+            #[cfg(target_arch = "nvptx64")]
+            #[inline(always)]
+            unsafe fn store1(p: *mut u8, v: f32) {
+                // SAFETY: per the contract.
+                unsafe { *(p as *mut u16) = $one(v) }
+            }
+            #[cfg(target_arch = "nvptx64")]
+            #[inline(always)]
+            unsafe fn load2(p: *const u8) -> [f32; 2] {
+                // SAFETY: per the contract (4 bytes, 4-byte aligned).
+                let w = unsafe { *(p as *const u32) };
+                [$to(w as u16), $to((w >> 16) as u16)]
+            }
+            #[cfg(target_arch = "nvptx64")]
+            #[inline(always)]
+            unsafe fn store2(p: *mut u8, v: [f32; 2]) {
+                // SAFETY: per the contract.
+                unsafe { *(p as *mut u32) = $pack(v[0], v[1]) }
+            }
         }
-        let i = batch as u64 * e.stride_d + row as u64 * e.ldd + col as u64;
-        // SAFETY: (row, col) is inside D (and col + 1 where it is read or written below); the
-        // biases hold m and n values; the caller's contract for the rest.
-        unsafe {
-            let br = if e.bias_row.is_null() { 0.0 } else { load::<O>(e.bias_row, row as u64) };
-            let both = col + 1 < e.n;
-            if both && e.flags & EPI_PAIRS != 0 {
-                let c = if e.beta != 0.0 { load_pair::<O>(e.d, i) } else { [0.0; 2] };
-                let has_res = !e.residual.is_null();
-                let r = if has_res { load_pair::<O>(e.residual, i) } else { [0.0; 2] };
-                let mut out = [0.0f32; 2];
-                for h in 0..2 {
-                    let bc = if e.bias_col.is_null() { 0.0 } else { load::<O>(e.bias_col, (col + h as u32) as u64) };
-                    let y = epilogue(v[h], e.alpha, e.beta, || c[h], bc + br, e.act);
-                    // Added only when present: `-0.0 + 0.0` would lose the sign.
-                    out[h] = if has_res { y + r[h] } else { y };
-                }
-                store_pair_raw::<O>(e.d, i, out);
-                return;
+    };
+}
+half_out!(crate::dtype::F16, crate::prim::f16_to_f32, crate::prim::f32x2_to_f16x2, crate::prim::f32_to_f16);
+half_out!(crate::dtype::BF16, crate::prim::bf16_to_f32, crate::prim::f32x2_to_bf16x2, crate::prim::f32_to_bf16);
+
+/// One element of the epilogue, in f32: `c_old` is read only when `beta != 0`, `residual`
+/// (`None`: absent) added after the activation. The host's tests compute the same.
+#[inline(always)]
+pub fn epilogue_value(
+    e: &Epilogue,
+    acc: f32,
+    c_old: impl FnOnce() -> f32,
+    bias_col: f32,
+    bias_row: Option<f32>,
+    residual: Option<f32>,
+) -> f32 {
+    let bias = match bias_row {
+        Some(r) => bias_col + r,
+        None => bias_col,
+    };
+    let y = crate::gemm::epilogue(acc, e.alpha, e.beta, c_old, bias, e.act);
+    match residual {
+        Some(r) => y + r,
+        None => y,
+    }
+}
+
+/// Stores D[batch][row][col], D[..][col + 1] from v (bounds-checked against m, n).
+///
+/// # Safety
+/// `e` must describe, for `batch`, a D (and the residual, biases it names) whose every element
+/// `row < m`, `col < n` is inside its allocation; `col` even when [`PAIR`] is set. Elements
+/// outside `m x n` are neither read nor written.
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub unsafe fn store_pair<O: OutType>(e: &Epilogue, batch: u32, row: u32, col: u32, v: [f32; 2]) {
+    if row >= e.m || col >= e.n {
+        return;
+    }
+    let size = O::DTYPE.size();
+    let idx = (batch as u64 * e.stride_d + row as u64 * e.ldd + col as u64) as usize * size;
+    // SAFETY (all accesses below): inside D, the residual and the biases by the contract, for
+    // the row and the columns < n checked.
+    let d = unsafe { e.d.add(idx) };
+    let res = if e.residual.is_null() { None } else { Some(unsafe { e.residual.add(idx) }) };
+    let br = if e.bias_row.is_null() { None } else { Some(unsafe { O::load1(e.bias_row.add(row as usize * size)) }) };
+    let bias_col = |j: u32| {
+        if e.bias_col.is_null() { 0.0 } else { unsafe { O::load1(e.bias_col.add((col + j) as usize * size)) } }
+    };
+    if e.flags & PAIR != 0 && col + 1 < e.n {
+        let old = if e.beta != 0.0 { unsafe { O::load2(d) } } else { [0.0; 2] };
+        let r = res.map(|p| unsafe { O::load2(p) });
+        let out = [
+            epilogue_value(e, v[0], || old[0], bias_col(0), br, r.map(|r| r[0])),
+            epilogue_value(e, v[1], || old[1], bias_col(1), br, r.map(|r| r[1])),
+        ];
+        unsafe { O::store2(d, out) };
+    } else {
+        unroll!(J: u32; 0 1 => {
+            if col + J < e.n {
+                let p = unsafe { d.add(J as usize * size) };
+                let r = res.map(|q| unsafe { O::load1(q.add(J as usize * size)) });
+                let y = epilogue_value(e, v[J as usize], || unsafe { O::load1(p) }, bias_col(J), br, r);
+                unsafe { O::store1(p, y) };
             }
-            for h in 0..2u32 {
-                if h == 1 && !both {
-                    break;
-                }
-                let j = i + h as u64;
-                let bc = if e.bias_col.is_null() { 0.0 } else { load::<O>(e.bias_col, (col + h) as u64) };
-                let d = e.d as *mut O;
-                let mut y = epilogue(v[h as usize], e.alpha, e.beta, || (*d.add(j as usize)).to_f32(), bc + br, e.act);
-                if !e.residual.is_null() {
-                    y += load::<O>(e.residual, j);
-                }
-                *d.add(j as usize) = O::from_f32(y);
-            }
+        });
+    }
+}
+
+/// Whether the epilogue is a plain store: `alpha = 1`, no C, bias, activation or residual, and
+/// pairs aligned ([`store_pair_plain`] applies).
+#[inline(always)]
+pub fn is_plain(e: &Epilogue) -> bool {
+    e.alpha == 1.0
+        && e.beta == 0.0
+        && e.act == crate::gemm::EPI_IDENTITY
+        && e.bias_col.is_null()
+        && e.bias_row.is_null()
+        && e.residual.is_null()
+        && e.flags & PAIR != 0
+}
+
+/// [`store_pair`] where [`is_plain`] holds: the values rounded and stored, nothing else. A kernel
+/// that writes every pair of a tile out in straight-line code takes this path when it can: the
+/// whole epilogue written out per pair is several kilobytes of code each.
+///
+/// # Safety
+/// As [`store_pair`].
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub unsafe fn store_pair_plain<O: OutType>(e: &Epilogue, batch: u32, row: u32, col: u32, v: [f32; 2]) {
+    if row >= e.m || col >= e.n {
+        return;
+    }
+    let idx = (batch as u64 * e.stride_d + row as u64 * e.ldd + col as u64) as usize * O::DTYPE.size();
+    // SAFETY: inside D by the contract, for the row and the columns < n checked; pairs aligned.
+    unsafe {
+        let d = e.d.add(idx);
+        if col + 1 < e.n {
+            O::store2(d, v);
+        } else {
+            O::store1(d, v[0]);
         }
     }
 }

@@ -75,8 +75,7 @@ pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) 
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
 mod device {
     use super::*;
-    use crate::dtype::Elem;
-    use crate::gemm_epilogue::{is_plain, store_pair, store_pair_plain};
+    use crate::gemm_epilogue::{OutType, is_plain, store_pair, store_pair_plain};
     use crate::prim::*;
 
     /// Consumer warpgroups.
@@ -95,7 +94,7 @@ mod device {
     /// out 64 times, each activation's code made a kernel of hundreds of kilobytes, and a call
     /// per pair made ptxas save the live accumulators around each call.
     #[inline(never)]
-    unsafe fn store_tile<O: Elem>(e: &Epilogue, b: u32, row: u32, col: u32, acc: &[f32; 128]) {
+    unsafe fn store_tile<O: OutType>(e: &Epilogue, b: u32, row: u32, col: u32, acc: &[f32; 128]) {
         for j in 0..32 {
             // SAFETY: the caller's (store_pair checks rows and columns).
             unsafe {
@@ -111,7 +110,7 @@ mod device {
     /// Launched with [`THREADS`] threads, [`SMEM_BYTES`] of dynamic shared memory, and maps and
     /// an epilogue that describe the operands as [`WgmmaArgs`] says.
     #[inline(always)]
-    pub unsafe fn gemm<const BF16: bool, O: Elem, const A_MN: u32, const B_MN: u32>(
+    pub unsafe fn gemm<const BF16: bool, O: OutType, const A_MN: u32, const B_MN: u32>(
         maps: *const u64,
         e: Epilogue,
         k: u32,
@@ -210,7 +209,7 @@ mod device {
     /// The consumer warpgroups' part of [`gemm`]: `(a_s, b_s, bars)` the ring and its barriers,
     /// `tiles` the walk's `(tiles_m, tiles_n, total)`.
     #[inline(always)]
-    fn consume<const BF16: bool, O: Elem, const A_MN: u32, const B_MN: u32>(
+    fn consume<const BF16: bool, O: OutType, const A_MN: u32, const B_MN: u32>(
         e: &Epilogue,
         (a_s, b_s, bars): (u32, u32, u32),
         (tiles_m, tiles_n, total): (u32, u32, u32),

@@ -45,6 +45,7 @@ pub mod elementwise;
 pub mod fastmath;
 pub mod gemm;
 pub mod gemm_epilogue;
+pub mod gemm_tc;
 pub mod gemm_tf32x3;
 pub mod gemm_wgmma;
 pub mod init;

@@ -871,6 +871,89 @@ pub unsafe fn mbarrier_arrive(addr: u32) {
         asm!("mbarrier.arrive.shared::cta.b64 _, [{a}];", a = in(reg32) addr, options(nostack, preserves_flags));
     }
 }
+// Tensor cores in bf16 and f16 (sm_80 on), fed by `ldmatrix`.
+
+/// Loads four 8 x 8 matrices of 16-bit elements from shared memory for one warp
+/// (`ldmatrix.sync.aligned.m8n8.x4.shared.b16`). Lane `l` names the address of row `l % 8` of
+/// matrix `l / 8` (16 contiguous bytes); it receives, of each matrix `i`, row `l / 4`, columns
+/// `2 (l % 4)` and `2 (l % 4) + 1`, packed low to high in word `i`: the layout of an `mma`
+/// fragment.
+///
+/// # Safety
+/// Every lane's `addr` must be a 16-byte aligned shared-window address of 16 bytes inside the
+/// dynamic shared memory, written before a barrier this warp has passed; all 32 lanes must
+/// execute it together (warp-converged).
+#[inline(always)]
+pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: per the function contract. Not `pure`: a warp-wide instruction, which the compiler
+    // must neither drop nor move into a branch.
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg32) addr, options(readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+/// [`ldmatrix_x4`] transposed (`.trans`): lane `l` receives, of each matrix, column `l / 4`, rows
+/// `2 (l % 4)` and `2 (l % 4) + 1`. For operands stored with their K index along rows of shared
+/// memory (A read as its transpose, B as stored).
+///
+/// # Safety
+/// As [`ldmatrix_x4`].
+#[inline(always)]
+pub unsafe fn ldmatrix_x4_trans(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: as `ldmatrix_x4`.
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg32) addr, options(readonly, nostack, preserves_flags));
+    }
+    [a, b, c, d]
+}
+
+macro_rules! mma_16x8x16 {
+    ($(#[$doc:meta])* $name:ident, $ty:literal) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+            let (d0, d1, d2, d3): (f32, f32, f32, f32);
+            // SAFETY: registers only; the caller's warp is converged (the kernels call it
+            // outside any divergent branch). Not `pure`, as `shfl`: the compiler must not move
+            // it into a branch.
+            unsafe {
+                asm!(concat!("mma.sync.aligned.m16n8k16.row.col.f32.", $ty, ".", $ty, ".f32 \
+                      {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, \
+                      {{{c0}, {c1}, {c2}, {c3}}};"),
+                     d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+                     a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                     b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+                     c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+                     options(nomem, nostack, preserves_flags));
+            }
+            [d0, d1, d2, d3]
+        }
+    };
+}
+
+mma_16x8x16!(
+    /// `d = a @ b + c` for one warp: a 16 x 16 (row) by 16 x 8 (col) product of bf16 values with
+    /// f32 accumulation (`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`). The products of
+    /// bf16 values are exact in f32. With `g = lane / 4`, `t = lane % 4`, each word holds two
+    /// values, the lower K (or column) index in its low half: `a = [A(g, 2t..), A(g + 8, 2t..),
+    /// A(g, 2t + 8..), A(g + 8, 2t + 8..)]`, `b = [B(2t.., g), B(2t + 8.., g)]`; `c`, `d = [C(g,
+    /// 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8, 2t + 1)]`. Every lane of the warp must execute it
+    /// together.
+    mma_bf16_16x8x16,
+    "bf16"
+);
+mma_16x8x16!(
+    /// [`mma_bf16_16x8x16`] on f16 values (`...f32.f16.f16.f32`).
+    mma_f16_16x8x16,
+    "f16"
+);
 
 // ---------------------------------------------------------------------------------------------
 // Half-precision conversions: hardware `cvt`, round to nearest even, NaN and infinities kept,

@@ -567,3 +567,42 @@ pub fn norm_bwd_ref(x: &[f64], w: Option<&[f64]>, g: &[f64], eps: f64, layer: bo
     let bsum = gw.iter().zip(&xh).map(|(g, x)| g * x).sum::<f64>() / n;
     (0..x.len()).map(|i| rstd * (gw[i] - a - xh[i] * bsum)).collect()
 }
+
+// --- matrix products on the tensor cores (bf16, f16) -----------------------------------------
+
+/// `(sum_k a(k) b(k), sum_k |a(k) b(k)|)` in f64: the exact dot product of bf16 or f16 values
+/// (their products and sums of a few thousand are exact in f64 to far below f32's rounding), and
+/// the scale its error bound is relative to.
+pub fn dot_ref(k: usize, a: impl Fn(usize) -> f64, b: impl Fn(usize) -> f64) -> (f64, f64) {
+    (0..k).fold((0.0, 0.0), |(s, abs), kk| {
+        let p = a(kk) * b(kk);
+        (s + p, abs + p.abs())
+    })
+}
+
+/// The error bound of a tensor-core GEMM's f32 value before the activation (and before the
+/// rounding to the output dtype), as a multiple of `2^-23 * scale`, where `scale = |alpha| S +
+/// |beta C| + |bias| + |row bias|` and `S = sum_k |a_k b_k|`.
+///
+/// Derivation (kernels-gpu/src/gemm_tc.rs runs `mma.m16n8k16`):
+/// - Products of two bf16 (8-bit significands) or two f16 (11-bit) are exact in f32 (16 and 22
+///   bits), and the tensor core forms them exactly.
+/// - One `mma` adds 16 products to the f32 accumulator `c`. The tensor cores align the 17
+///   addends to the largest, keep 24 bits and truncate (no rounding to nearest, no guard bits;
+///   Fasi et al., "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021): each addend
+///   loses less than one unit of the 24th bit of the largest, `2^-23 M`, and the normalised sum
+///   loses one more, so one step is off by at most `18 * 2^-23 * (|c| + sum |p|)`.
+/// - K is covered in `ceil(K / 16)` such steps into one accumulator (per slice under split-K);
+///   `|c| + sum |p|` never exceeds `S` (to first order), so the sum is off by at most
+///   `18 ceil(K / 16) 2^-23 S` (for K = 4096 about `2^-12.8 S`: the classical `gamma_K` bound of
+///   recursive f32 summation, `K 2^-24 S`, with the truncation's factor of 2 and the 17 terms a
+///   step's factor of 18/16).
+/// - `s` split-K slices are added in f32 with rounding to nearest: `s * 2^-24 S` at most, and
+///   the epilogue's `alpha *`, `beta * C +`, `+ bias` (the two biases summed first) a rounding
+///   each: 4 more half-units, `+ 4` covers them and the second-order terms.
+///
+/// The activation's own error and the final rounding to the output dtype come on top
+/// (`act_fwd_tol` and one ulp of the dtype in the tests' `close`).
+pub fn tc_bound_terms(k: usize, splits: usize) -> f64 {
+    18.0 * k.div_ceil(16) as f64 + splits as f64 + 4.0
+}
