@@ -55,10 +55,10 @@ pub type RowBwdArgs<T> = (*const T, *const T, *const T, *const T, *mut T, *mut f
 /// `out[c] = sum over k < chunks of partial[k * cols + c]`, in order of k.
 pub type ColsumFinishArgs<T> = (*const f32, *mut T, u64, u64);
 
-/// Name of the `colsum_finish` kernel for `dt`.
-pub const fn colsum_finish_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("colsum_finish", dt)
-}
+// The host names these kernels by typed handles, per op and storage type (`UnaryKernels`,
+// `BinaryKernels`, ..., through `ElementwiseElem`), declared after the device code beside the
+// kernels and from the same op lists (`unary_list!`, ...), so that no kernel is named by a
+// string built at run time.
 
 /// Threads per block of the 1-D element-wise kernels.
 pub const BLOCK: u32 = 256;
