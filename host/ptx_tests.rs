@@ -2,15 +2,7 @@
 //! kernel the host launches is there with the parameters it passes, and nothing else; the
 //! modules it loads per op partition the entries. Unit tests: the PTX is the crate's own.
 
-use crate::DType;
 use crate::device::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
-use kernels_gpu::elementwise::{
-    BinaryBwdArgs, BinaryFwdArgs, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
-    colsum_finish_kernel,
-};
-use kernels_gpu::kernel::Params;
-use kernels_gpu::ops::{Activation, Binary, OutputGrad, PowForm, Unary};
-use kernels_gpu::{BF16, F16};
 use std::collections::BTreeMap;
 
 /// Every `.entry` of the PTX for `arch` with its number of parameters.
@@ -34,73 +26,11 @@ fn ptx_kernels(arch: &str) -> BTreeMap<String, usize> {
     out
 }
 
-/// Every kernel the host can launch, with the arity of the signature it launches it with.
+/// Every kernel the host can launch, with the arity of the signature it launches it with: each
+/// family lists its own, from its declarations (`ops::all_kernels`).
 fn host_kernels() -> BTreeMap<String, usize> {
-    fn arity<A: Params>() -> usize {
-        A::ARITY
-    }
     let mut m = BTreeMap::new();
-    for dt in DType::ALL {
-        let (u_f, u_b, b_f, b_b, r_f, r_b, c) = match dt {
-            DType::F32 => (
-                arity::<UnaryFwdArgs<f32>>(),
-                arity::<UnaryBwdArgs<f32>>(),
-                arity::<BinaryFwdArgs<f32>>(),
-                arity::<BinaryBwdArgs<f32>>(),
-                arity::<RowFwdArgs<f32>>(),
-                arity::<RowBwdArgs<f32>>(),
-                arity::<ColsumFinishArgs<f32>>(),
-            ),
-            DType::F16 => (
-                arity::<UnaryFwdArgs<F16>>(),
-                arity::<UnaryBwdArgs<F16>>(),
-                arity::<BinaryFwdArgs<F16>>(),
-                arity::<BinaryBwdArgs<F16>>(),
-                arity::<RowFwdArgs<F16>>(),
-                arity::<RowBwdArgs<F16>>(),
-                arity::<ColsumFinishArgs<F16>>(),
-            ),
-            DType::BF16 => (
-                arity::<UnaryFwdArgs<BF16>>(),
-                arity::<UnaryBwdArgs<BF16>>(),
-                arity::<BinaryFwdArgs<BF16>>(),
-                arity::<BinaryBwdArgs<BF16>>(),
-                arity::<RowFwdArgs<BF16>>(),
-                arity::<RowBwdArgs<BF16>>(),
-                arity::<ColsumFinishArgs<BF16>>(),
-            ),
-        };
-        let mut put = |name: &str, n: usize| m.insert(name.to_string(), n);
-        for u in Unary::ALL {
-            put(u.fwd(dt), u_f);
-            put(u.bwd(dt), u_b);
-            put(u.fwd_small(dt), u_f);
-            put(u.bwd_small(dt), u_b);
-        }
-        for b in Binary::ALL {
-            put(b.fwd(dt), b_f);
-            put(b.bwd(dt), b_b);
-            put(b.row_fwd(dt), r_f);
-            put(b.row_bwd(dt), r_b);
-            put(b.fwd_small(dt), b_f);
-            put(b.bwd_small(dt), b_b);
-        }
-        for a in Activation::ALL {
-            put(a.fwd(dt), r_f);
-            put(a.bwd(dt), r_b);
-        }
-        for f in PowForm::ALL {
-            put(f.fwd_small(dt), u_f);
-            put(f.bwd_small(dt), u_b);
-        }
-        for o in OutputGrad::ALL {
-            put(o.bwd_y(dt), u_b);
-            put(o.bwd_y_small(dt), u_b);
-        }
-        put(colsum_finish_kernel(dt), c);
-    }
-    // The other families list their own, from their declarations (see `row_family_kernels`).
-    for (name, n) in crate::ops::row_family_kernels() {
+    for (name, n) in crate::ops::all_kernels() {
         assert!(m.insert(name.clone(), n).is_none(), "`{name}` listed twice");
     }
     m

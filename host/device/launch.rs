@@ -17,32 +17,6 @@ pub struct LaunchConfig {
     pub shared_bytes: u32,
 }
 
-/// What a launch names its kernel by: a typed [`Kernel<A>`], whose `A` must be the type of the
-/// arguments (a launch with others does not compile), or, for the families not yet declared
-/// through typed handles (the element-wise ops), the entry's name, with `A` unchecked against it.
-pub(crate) trait KernelRef<A> {
-    /// The entry's name.
-    fn kernel_name(&self) -> &str;
-}
-
-impl<A: KernelArgs> KernelRef<A> for Kernel<A> {
-    fn kernel_name(&self) -> &str {
-        self.name()
-    }
-}
-
-impl<A> KernelRef<A> for &str {
-    fn kernel_name(&self) -> &str {
-        self
-    }
-}
-
-impl<A> KernelRef<A> for &String {
-    fn kernel_name(&self) -> &str {
-        self
-    }
-}
-
 impl Device {
     /// Launches `kernel` with `args`, whose type is the kernel's declared signature
     /// (`kernels_gpu::*::*Args`, the `A` of its [`Kernel<A>`] handle), so the parameter list
@@ -53,14 +27,9 @@ impl Device {
     /// the kernel will touch given the other arguments, and no buffer the kernel writes may be
     /// read or written concurrently by other work. The op functions establish this by checking
     /// tensor lengths against the arguments before calling.
-    pub(crate) unsafe fn launch<A: KernelArgs>(
-        &self,
-        kernel: impl KernelRef<A>,
-        cfg: LaunchConfig,
-        args: A,
-    ) -> Result<()> {
+    pub(crate) unsafe fn launch<A: KernelArgs>(&self, kernel: Kernel<A>, cfg: LaunchConfig, args: A) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.launch_with(kernel.kernel_name(), cfg, args, false) }
+        unsafe { self.launch_with(kernel.name(), cfg, args, false) }
     }
 
     /// [`Device::launch`] as a programmatic dependent launch where the loaded module is `sm_90` or
@@ -76,12 +45,12 @@ impl Device {
     /// reads or writes global memory.
     pub(crate) unsafe fn launch_dependent<A: KernelArgs>(
         &self,
-        kernel: impl KernelRef<A>,
+        kernel: Kernel<A>,
         cfg: LaunchConfig,
         args: A,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.launch_with(kernel.kernel_name(), cfg, args, self.0.ptx_arch.starts_with("sm_90")) }
+        unsafe { self.launch_with(kernel.name(), cfg, args, self.0.ptx_arch.starts_with("sm_90")) }
     }
 
     /// The launch behind [`Device::launch`] and [`Device::launch_dependent`] (`dependent`: with

@@ -9,9 +9,10 @@ use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 use kernels_gpu::elementwise::{
-    BinaryBwdArgs, BinaryFwdArgs, CHUNK_BLOCK, ColsumFinishArgs, RowBwdArgs, RowFwdArgs, UnaryBwdArgs, UnaryFwdArgs,
-    colsum_finish_kernel,
+    BinaryBwdArgs, BinaryFwdArgs, CHUNK_BLOCK, ColsumFinishArgs, ElementwiseElem, RowBwdArgs, RowFwdArgs, UnaryBwdArgs,
+    UnaryFwdArgs,
 };
+use kernels_gpu::kernel::{Kernel, KernelArgs};
 use kernels_gpu::ops::{Activation as ActKernel, Binary, OutputGrad, PowForm, Unary};
 use kernels_gpu::{DType, Elem};
 
@@ -339,24 +340,28 @@ fn grid_1d(x: &Tensor, kernel: &str, unrolled: bool) -> Result<Option<crate::dev
 
 /// A unary or binary op's two kernels for one launch ([`plan`]): its chunk kernel (`chunked`,
 /// `per_thread` vectors a thread) and its small-launch entry (`small`).
-struct Entries {
-    chunked: &'static str,
+struct Entries<A> {
+    chunked: Kernel<A>,
     per_thread: u64,
-    small: &'static str,
+    small: Kernel<A>,
 }
 
 /// The kernel and grid of a unary or binary launch over `x` for the call `name`: the op's
 /// small-launch entry ([`launch::elementwise_small`]) where one half vector a thread fits in one
 /// wave of the chunk kernel's resident blocks, else the chunk kernel on
 /// [`launch::elementwise_chunks`]'s grid; `None` for an empty tensor.
-fn plan(name: &'static str, x: &Tensor, e: Entries) -> Result<Option<(&'static str, crate::device::LaunchConfig)>> {
+fn plan<A: KernelArgs>(
+    name: &'static str,
+    x: &Tensor,
+    e: Entries<A>,
+) -> Result<Option<(Kernel<A>, crate::device::LaunchConfig)>> {
     let (dev, n) = (x.device(), x.numel() as u64);
     if n == 0 {
         return Ok(None);
     }
     let vec = with_elem!(x.dtype(), |T| T::VEC as u64);
     let b = CHUNK_BLOCK;
-    let resident = dev.sm_count() as u64 * dev.blocks_per_sm(e.chunked, b, 0)? as u64 * b as u64;
+    let resident = dev.sm_count() as u64 * dev.blocks_per_sm(e.chunked.name(), b, 0)? as u64 * b as u64;
     if let Some(cfg) = launch::elementwise_small(n, x.dtype(), resident) {
         return Ok(Some((e.small, cfg)));
     }
@@ -369,21 +374,23 @@ fn plan(name: &'static str, x: &Tensor, e: Entries) -> Result<Option<(&'static s
 /// forms by multiplication or division have small entries of their own ([`PowForm`], chosen here
 /// from the exponent), the other ops one each; the chunk kernel's vectors a thread are those of
 /// the op's form ([`Unary::chunk`]).
-fn unary_fwd_kernels(k: Unary, a: f32, b: f32, dt: DType) -> Entries {
+fn unary_fwd_kernels<T: ElementwiseElem>(k: Unary, a: f32, b: f32) -> Entries<UnaryFwdArgs<T>> {
+    let ks = k.kernels::<T>();
     let small = match PowForm::of(a) {
-        Some(f) if k == Unary::Pow => f.fwd_small(dt),
-        _ => k.fwd_small(dt),
+        Some(f) if k == Unary::Pow => f.kernels::<T>().fwd_small,
+        _ => ks.fwd_small,
     };
-    Entries { chunked: k.fwd(dt), per_thread: k.chunk(k.fwd_form(a, b), dt), small }
+    Entries { chunked: ks.fwd, per_thread: k.chunk(k.fwd_form(a, b), T::DTYPE), small }
 }
 
 /// [`unary_fwd_kernels`] for the backward: pow's form there is that of `a - 1`.
-fn unary_bwd_kernels(k: Unary, a: f32, b: f32, dt: DType) -> Entries {
+fn unary_bwd_kernels<T: ElementwiseElem>(k: Unary, a: f32, b: f32) -> Entries<UnaryBwdArgs<T>> {
+    let ks = k.kernels::<T>();
     let small = match PowForm::of(a - 1.0) {
-        Some(f) if k == Unary::Pow => f.bwd_small(dt),
-        _ => k.bwd_small(dt),
+        Some(f) if k == Unary::Pow => f.kernels::<T>().bwd_small,
+        _ => ks.bwd_small,
     };
-    Entries { chunked: k.bwd(dt), per_thread: k.chunk(k.bwd_form(a, b), dt), small }
+    Entries { chunked: ks.bwd, per_thread: k.chunk(k.bwd_form(a, b), T::DTYPE), small }
 }
 
 /// `op(x)`, element-wise.
@@ -402,9 +409,9 @@ pub fn unary_out(x: &Tensor, op: impl Into<UnaryOp>, out: &mut Tensor) -> Result
     check_same_dtype(name, x, out)?;
     check_same_shape(name, x, out, "output")?;
     let (k, a, b) = op.kernel();
-    let Some((kernel, cfg)) = plan(name, x, unary_fwd_kernels(k, a, b, x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
+        let Some((kernel, cfg)) = plan(name, x, unary_fwd_kernels::<T>(k, a, b))? else { return Ok(()) };
         let args: UnaryFwdArgs<T> = (x.dev_ptr(), out.dev_ptr_mut()?, n, a, b);
         // SAFETY: x and out hold n elements of T on this device (checked above).
         unsafe { x.device().launch(kernel, cfg, args) }
@@ -416,9 +423,9 @@ pub fn unary_(x: &mut Tensor, op: impl Into<UnaryOp>) -> Result<()> {
     let op = op.into();
     op.validate("unary_")?;
     let (k, a, b) = op.kernel();
-    let Some((kernel, cfg)) = plan("unary_", x, unary_fwd_kernels(k, a, b, x.dtype()))? else { return Ok(()) };
     let n = x.numel() as u64;
     with_elem!(x.dtype(), |T| {
+        let Some((kernel, cfg)) = plan("unary_", x, unary_fwd_kernels::<T>(k, a, b))? else { return Ok(()) };
         let p = x.dev_ptr_mut::<T>()?;
         let args: UnaryFwdArgs<T> = (p as *const T, p, n, a, b);
         // SAFETY: x holds n elements; each is read before it is written, by the same thread.
@@ -457,15 +464,15 @@ pub fn unary_backward_out(x: &Tensor, grad: &Tensor, op: impl Into<UnaryOp>, gx:
     check_unary_backward(name, x, grad, op)?;
     check_binary(name, x, gx)?;
     let (k, a, b) = op.kernel();
-    launch_unary_bwd(name, unary_bwd_kernels(k, a, b, x.dtype()), x, grad, gx, a, b)
+    with_elem!(x.dtype(), |T| launch_unary_bwd(name, unary_bwd_kernels::<T>(k, a, b), x, grad, gx, a, b))
 }
 
 /// Launches a unary backward kernel (`UnaryBwdArgs`; chunked and small-launch entries, as
 /// [`plan`]) for the call `name` on checked operands: `x` (or the output, for the kernels from
 /// it), `grad` and `gx` of one shape, dtype and device.
-fn launch_unary_bwd(
+fn launch_unary_bwd<T: Elem>(
     name: &'static str,
-    kernels: Entries,
+    kernels: Entries<UnaryBwdArgs<T>>,
     x: &Tensor,
     grad: &Tensor,
     gx: &mut Tensor,
@@ -474,12 +481,10 @@ fn launch_unary_bwd(
 ) -> Result<()> {
     let Some((kernel, cfg)) = plan(name, x, kernels)? else { return Ok(()) };
     let n = x.numel() as u64;
-    with_elem!(x.dtype(), |T| {
-        let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
-        // SAFETY: all three hold n elements of T on this device (the callers check); gx is
-        // borrowed mutably, so it aliases neither input.
-        unsafe { x.device().launch(kernel, cfg, args) }
-    })
+    let args: UnaryBwdArgs<T> = (x.dev_ptr(), grad.dev_ptr(), gx.dev_ptr_mut()?, n, a, b);
+    // SAFETY: all three hold n elements of T, the tensors' dtype, on this device (the callers
+    // check); gx is borrowed mutably, so it aliases neither input.
+    unsafe { x.device().launch(kernel, cfg, args) }
 }
 
 /// Gradient of `op` from its output `y = op(x)` instead of its input: `op'(x) * grad` written
@@ -516,17 +521,22 @@ pub fn unary_backward_from_output_out(
 ) -> Result<()> {
     let op = op.into();
     let name = "unary_backward_from_output";
-    let dt = y.dtype();
-    let (kernels, a, b) = match op.grad_from_output(name)? {
-        FromOutput::Kernel(k) => (Entries { chunked: k.bwd_y(dt), per_thread: 1, small: k.bwd_y_small(dt) }, 0.0, 0.0),
-        FromOutput::Passes | FromOutput::SameKernel => {
-            let (k, a, b) = op.kernel();
-            (unary_bwd_kernels(k, a, b, dt), a, b)
-        }
-    };
+    let how = op.grad_from_output(name)?;
     check_unary_backward(name, y, grad, op)?;
     check_binary(name, y, gx)?;
-    launch_unary_bwd(name, kernels, y, grad, gx, a, b)
+    with_elem!(y.dtype(), |T| {
+        let (kernels, a, b) = match how {
+            FromOutput::Kernel(k) => {
+                let ks = k.kernels::<T>();
+                (Entries { chunked: ks.bwd_y, per_thread: 1, small: ks.bwd_y_small }, 0.0, 0.0)
+            }
+            FromOutput::Passes | FromOutput::SameKernel => {
+                let (k, a, b) = op.kernel();
+                (unary_bwd_kernels::<T>(k, a, b), a, b)
+            }
+        };
+        launch_unary_bwd(name, kernels, y, grad, gx, a, b)
+    })
 }
 
 // --- binary -------------------------------------------------------------------------------------
@@ -561,11 +571,11 @@ pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
 }
 
 fn launch_binary(name: &'static str, a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
-    let (k, dt) = (op.kernel(), b.dtype());
-    let e = Entries { chunked: k.fwd(dt), per_thread: 1, small: k.fwd_small(dt) };
-    let Some((kernel, cfg)) = plan(name, b, e)? else { return Ok(()) };
     let n = b.numel() as u64;
     with_elem!(b.dtype(), |T| {
+        let k = op.kernel().kernels::<T>();
+        let e = Entries { chunked: k.fwd, per_thread: 1, small: k.fwd_small };
+        let Some((kernel, cfg)) = plan(name, b, e)? else { return Ok(()) };
         let args: BinaryFwdArgs<T> = (a as *const T, b.dev_ptr(), out as *mut T, n);
         // SAFETY: the callers checked that a and out have b's shape, dtype and device.
         unsafe { b.device().launch(kernel, cfg, args) }
@@ -587,16 +597,17 @@ pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> R
         BinaryOp::Mul | BinaryOp::Div => {}
     }
     let (mut ga, mut gb) = (a.alloc_like(name)?, a.alloc_like(name)?);
-    let (k, dt) = (op.kernel(), a.dtype());
-    if let Some((kernel, cfg)) = plan(name, a, Entries { chunked: k.bwd(dt), per_thread: 1, small: k.bwd_small(dt) })? {
-        let n = a.numel() as u64;
-        with_elem!(a.dtype(), |T| {
+    let n = a.numel() as u64;
+    with_elem!(a.dtype(), |T| {
+        let k = op.kernel().kernels::<T>();
+        if let Some((kernel, cfg)) = plan(name, a, Entries { chunked: k.bwd, per_thread: 1, small: k.bwd_small })? {
             let args: BinaryBwdArgs<T> =
                 (a.dev_ptr(), b.dev_ptr(), grad.dev_ptr(), ga.dev_ptr_mut()?, gb.dev_ptr_mut()?, n);
             // SAFETY: all five hold n elements of T on this device.
-            unsafe { a.device().launch(kernel, cfg, args) }
-        })?;
-    }
+            unsafe { a.device().launch(kernel, cfg, args) }?;
+        }
+        Ok::<(), Error>(())
+    })?;
     Ok((ga, gb))
 }
 
@@ -622,14 +633,16 @@ pub fn binary_row_out(x: &Tensor, row: &Tensor, op: BinaryOp, out: &mut Tensor) 
     check_row(name, x, row, "the row must match the last dimension")?;
     check_binary(name, x, out)?;
     let p = out.dev_ptr_mut::<u8>()? as u64;
-    launch_row_fwd(x, x.dev_ptr_u64(), row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)
+    with_elem!(x.dtype(), |T| {
+        launch_row_fwd::<T>(x, x.dev_ptr_u64(), row, None, p, op.kernel().kernels().row_fwd, 0.0, 0.0)
+    })
 }
 
 /// `x = x op row`, in place.
 pub fn binary_row_(x: &mut Tensor, row: &Tensor, op: BinaryOp) -> Result<()> {
     check_row("binary_row_", x, row, "the row must match the last dimension")?;
     let p = x.dev_ptr_mut::<u8>()? as u64;
-    launch_row_fwd(x, p, row, None, p, op.kernel().row_fwd(x.dtype()), 0.0, 0.0)
+    with_elem!(x.dtype(), |T| launch_row_fwd::<T>(x, p, row, None, p, op.kernel().kernels().row_fwd, 0.0, 0.0))
 }
 
 /// Gradients of `x op row`: `(grad_x, grad_row)`, `grad_row` summed over all rows
@@ -647,7 +660,9 @@ pub fn binary_row_backward(x: &Tensor, row: &Tensor, grad: &Tensor, op: BinaryOp
         }
         return Ok((grad.clone(), grow));
     }
-    let (gx, mut grads) = launch_row_bwd(name, x, row, None, grad, op.kernel().row_bwd(x.dtype()), 1, 0.0, 0.0)?;
+    let (gx, mut grads) = with_elem!(x.dtype(), |T| {
+        launch_row_bwd::<T>(name, x, row, None, grad, op.kernel().kernels().row_bwd, 1, 0.0, 0.0)
+    })?;
     Ok((gx, grads.remove(0)))
 }
 
@@ -688,7 +703,7 @@ fn scale_bias_act_impl(
     check_row(name, x, scale, "scale must match the last dimension")?;
     check_row(name, x, bias, "bias must match the last dimension")?;
     let (k, a, b) = act.kernel();
-    launch_row_fwd(x, xp, scale, Some(bias), out, k.fwd(x.dtype()), a, b)
+    with_elem!(x.dtype(), |T| launch_row_fwd::<T>(x, xp, scale, Some(bias), out, k.kernels().fwd, a, b))
 }
 
 /// Gradients of `act(x * scale + bias)`.
@@ -739,7 +754,9 @@ pub fn scale_bias_act_backward_out(
     check_row(name, x, &grads.bias, "the bias's gradient must match the last dimension")?;
     let (k, a, b) = act.kernel();
     let ScaleBiasActGrads { x: gx, scale: gs, bias: gb } = grads;
-    launch_row_bwd_into(name, x, scale, Some(bias), grad, k.bwd(x.dtype()), a, b, gx, &mut [gs, gb])
+    with_elem!(x.dtype(), |T| {
+        launch_row_bwd_into::<T>(name, x, scale, Some(bias), grad, k.kernels().bwd, a, b, gx, &mut [gs, gb])
+    })
 }
 
 /// The grid of a row-broadcast forward. Where rows are whole vectors, `grid_1d`'s unrolled grid
@@ -766,37 +783,36 @@ fn row_fwd_grid(x: &Tensor, kernel: &str) -> Result<Option<crate::device::Launch
     grid_1d(x, kernel, false)
 }
 
+/// Launches a row-broadcast forward `kernel` of `T`, `x`'s dtype.
 #[allow(clippy::too_many_arguments)]
-fn launch_row_fwd(
+fn launch_row_fwd<T: Elem>(
     x: &Tensor,
     xp: u64,
     p0: &Tensor,
     p1: Option<&Tensor>,
     out: u64,
-    kernel: &'static str,
+    kernel: Kernel<RowFwdArgs<T>>,
     a: f32,
     b: f32,
 ) -> Result<()> {
-    let Some(cfg) = row_fwd_grid(x, kernel)? else { return Ok(()) };
+    let Some(cfg) = row_fwd_grid(x, kernel.name())? else { return Ok(()) };
     let (n, cols) = (x.numel() as u64, x.last_dim() as u64);
     let p1 = p1.map_or(0, |t| t.dev_ptr_u64());
-    with_elem!(x.dtype(), |T| {
-        let args: RowFwdArgs<T> = (xp as *const T, p0.dev_ptr(), p1 as *const T, out as *mut T, n, cols, a, b);
-        // SAFETY: x and out hold n elements, p0 and p1 (if used) `cols`, checked by callers.
-        unsafe { x.device().launch(kernel, cfg, args) }
-    })
+    let args: RowFwdArgs<T> = (xp as *const T, p0.dev_ptr(), p1 as *const T, out as *mut T, n, cols, a, b);
+    // SAFETY: x and out hold n elements of T, p0 and p1 (if used) `cols`, checked by callers.
+    unsafe { x.device().launch(kernel, cfg, args) }
 }
 
-/// Runs a row-broadcast backward kernel and the finishing column sums. Returns grad_x and the
-/// `n_acc` parameter gradients (each of shape `[cols]`).
+/// Runs a row-broadcast backward kernel of `T` (`x`'s dtype) and the finishing column sums.
+/// Returns grad_x and the `n_acc` parameter gradients (each of shape `[cols]`).
 #[allow(clippy::too_many_arguments)]
-fn launch_row_bwd(
+fn launch_row_bwd<T: ElementwiseElem>(
     name: &'static str,
     x: &Tensor,
     p0: &Tensor,
     p1: Option<&Tensor>,
     grad: &Tensor,
-    kernel: &'static str,
+    kernel: Kernel<RowBwdArgs<T>>,
     n_acc: usize,
     a: f32,
     b: f32,
@@ -815,13 +831,13 @@ fn launch_row_bwd(
 /// [`launch_row_bwd`] into `gx` (x's shape) and the parameter gradients `grads` (each of shape
 /// `[cols]`, dtype of x; the callers checked all shapes, dtypes and devices).
 #[allow(clippy::too_many_arguments)]
-fn launch_row_bwd_into(
+fn launch_row_bwd_into<T: ElementwiseElem>(
     name: &'static str,
     x: &Tensor,
     p0: &Tensor,
     p1: Option<&Tensor>,
     grad: &Tensor,
-    kernel: &'static str,
+    kernel: Kernel<RowBwdArgs<T>>,
     a: f32,
     b: f32,
     gx: &mut Tensor,
@@ -831,7 +847,8 @@ fn launch_row_bwd_into(
     let n_acc = grads.len();
     let cols = x.last_dim() as u64;
     let rows = (x.numel() as u64).checked_div(cols).unwrap_or(0);
-    let Some((cfg, chunks)) = launch::col_reduce(rows, cols, dev.sm_count(), dev.blocks_per_sm_256(kernel)?) else {
+    let Some((cfg, chunks)) = launch::col_reduce(rows, cols, dev.sm_count(), dev.blocks_per_sm_256(kernel.name())?)
+    else {
         // No rows: the parameter gradients are sums of nothing.
         for g in grads.iter_mut() {
             g.fill_(0.0)?;
@@ -840,32 +857,27 @@ fn launch_row_bwd_into(
     };
     let mut partial = Tensor::alloc(name, dev, &[n_acc, chunks as usize, cols as usize], DType::F32)?;
     let p1 = p1.map_or(0, |t| t.dev_ptr_u64());
-    with_elem!(x.dtype(), |T| {
-        let args: RowBwdArgs<T> = (
-            x.dev_ptr(),
-            p0.dev_ptr(),
-            p1 as *const T,
-            grad.dev_ptr(),
-            gx.dev_ptr_mut()?,
-            partial.dev_ptr_mut()?,
-            rows,
-            cols,
-            a,
-            b,
-        );
-        // SAFETY: x, grad and gx hold rows * cols elements, p0 and p1 (if used) cols, partial
-        // n_acc * chunks * cols floats with chunks = grid.y.
-        unsafe { dev.launch(kernel, cfg, args) }
-    })?;
-    let finish = colsum_finish_kernel(x.dtype());
+    let args: RowBwdArgs<T> = (
+        x.dev_ptr(),
+        p0.dev_ptr(),
+        p1 as *const T,
+        grad.dev_ptr(),
+        gx.dev_ptr_mut()?,
+        partial.dev_ptr_mut()?,
+        rows,
+        cols,
+        a,
+        b,
+    );
+    // SAFETY: x, grad and gx hold rows * cols elements of T, p0 and p1 (if used) cols, partial
+    // n_acc * chunks * cols floats with chunks = grid.y.
+    unsafe { dev.launch(kernel, cfg, args) }?;
     let fcfg = launch::one_per_thread(cols).expect("cols > 0");
     for (k, g) in grads.iter_mut().enumerate() {
         let part = partial.dev_ptr_u64() + (k as u64 * chunks as u64 * cols * 4);
-        with_elem!(x.dtype(), |T| {
-            let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut()?, chunks as u64, cols);
-            // SAFETY: `part` is the k-th [chunks, cols] block of partial; g holds cols elements.
-            unsafe { dev.launch(finish, fcfg, args) }
-        })?;
+        let args: ColsumFinishArgs<T> = (part as *const f32, g.dev_ptr_mut()?, chunks as u64, cols);
+        // SAFETY: `part` is the k-th [chunks, cols] block of partial; g holds cols elements.
+        unsafe { dev.launch(T::COLSUM_FINISH, fcfg, args) }?;
     }
     // `partial` is freed stream-ordered after the finishing kernels.
     drop(partial);
@@ -903,6 +915,55 @@ mod tests {
         assert_eq!(Activation::from_name("nope", [0.0; 2]), None);
         let ys: Vec<&str> = UNARY_OPS.iter().filter(|o| o.from_output == "y").map(|o| o.name).collect();
         assert_eq!(ys, OutputGrad::ALL.iter().map(|o| o.stem()).collect::<Vec<_>>());
+    }
+
+    /// Each op's handles, in every storage type, are its own kernels: `<stem>_<kind>_<dtype>`.
+    #[test]
+    fn ops_select_their_own_kernels() {
+        fn names<T: ElementwiseElem>() -> Vec<(String, &'static str)> {
+            let s = T::DTYPE.suffix();
+            let mut v = Vec::new();
+            for &o in Unary::ALL {
+                let (k, p) = (o.kernels::<T>(), o.stem());
+                v.push((format!("{p}_fwd_{s}"), k.fwd.name()));
+                v.push((format!("{p}_bwd_{s}"), k.bwd.name()));
+                v.push((format!("{p}_fwd_small_{s}"), k.fwd_small.name()));
+                v.push((format!("{p}_bwd_small_{s}"), k.bwd_small.name()));
+            }
+            for &f in PowForm::ALL {
+                let (k, p) = (f.kernels::<T>(), f.stem());
+                v.push((format!("{p}_fwd_small_{s}"), k.fwd_small.name()));
+                v.push((format!("{p}_bwd_small_{s}"), k.bwd_small.name()));
+            }
+            for &o in OutputGrad::ALL {
+                let (k, p) = (o.kernels::<T>(), o.stem());
+                v.push((format!("{p}_bwd_y_{s}"), k.bwd_y.name()));
+                v.push((format!("{p}_bwd_y_small_{s}"), k.bwd_y_small.name()));
+            }
+            for &o in Binary::ALL {
+                let (k, p) = (o.kernels::<T>(), o.stem());
+                v.push((format!("{p}_fwd_{s}"), k.fwd.name()));
+                v.push((format!("{p}_bwd_{s}"), k.bwd.name()));
+                v.push((format!("{p}_fwd_small_{s}"), k.fwd_small.name()));
+                v.push((format!("{p}_bwd_small_{s}"), k.bwd_small.name()));
+                v.push((format!("{p}_row_fwd_{s}"), k.row_fwd.name()));
+                v.push((format!("{p}_row_bwd_{s}"), k.row_bwd.name()));
+            }
+            for &a in ActKernel::ALL {
+                let (k, p) = (a.kernels::<T>(), a.stem());
+                v.push((format!("scale_bias_{p}_fwd_{s}"), k.fwd.name()));
+                v.push((format!("scale_bias_{p}_bwd_{s}"), k.bwd.name()));
+            }
+            v.push((format!("colsum_finish_{s}"), T::COLSUM_FINISH.name()));
+            v
+        }
+        let all = [names::<f32>(), names::<kernels_gpu::F16>(), names::<kernels_gpu::BF16>()].concat();
+        for (want, got) in &all {
+            assert_eq!(want, got);
+        }
+        let listed: Vec<&str> = kernels_gpu::elementwise::all_kernels().map(|k| k.name).collect();
+        assert_eq!(listed.len(), all.len());
+        assert!(all.iter().all(|(_, k)| listed.contains(k)));
     }
 
     #[test]

@@ -28,14 +28,15 @@ pub use reduce::*;
 pub use softmax::*;
 pub use transpose::*;
 
-/// Every kernel the families other than the element-wise ops launch (softmax, norms,
-/// cross-entropy, reductions, transpose, the GEMM, init, the optimizer, the casts and the math
-/// probe), with the parameter count of the signature the host launches it with; checked against
-/// the PTX by the crate's unit tests (`host/ptx_tests.rs`).
-/// Each derives its list from its declaration's typed handles.
-pub fn row_family_kernels() -> Vec<(String, usize)> {
+/// Every kernel the library launches (the element-wise ops, softmax, norms, cross-entropy,
+/// reductions, transpose, the GEMM, init, the optimizer, the casts and the math probe), with the
+/// parameter count of the signature the host launches it with; checked against the PTX by the
+/// crate's unit tests (`host/ptx_tests.rs`). Each family derives its list from its declaration's
+/// typed handles.
+pub fn all_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
-        kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
+        kernels_gpu::elementwise::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
+    v.extend(kernels_gpu::softmax::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::norm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::reduce::all_kernels().map(|k| (k.name.to_string(), k.arity)));

@@ -191,16 +191,3 @@ macro_rules! for_each_elem {
         $m!($crate::dtype::BF16, bf16 $(, $extra)*);
     };
 }
-
-/// The name of the instance of kernel `$stem` for the runtime dtype `$dt`: `"<stem>_<suffix>"`.
-/// A `&'static str` built at compile time from the same stem the device side uses.
-#[macro_export]
-macro_rules! kernel_name {
-    ($stem:expr, $dt:expr) => {
-        match $dt {
-            $crate::DType::F32 => concat!($stem, "_f32"),
-            $crate::DType::F16 => concat!($stem, "_f16"),
-            $crate::DType::BF16 => concat!($stem, "_bf16"),
-        }
-    };
-}

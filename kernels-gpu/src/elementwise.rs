@@ -55,10 +55,10 @@ pub type RowBwdArgs<T> = (*const T, *const T, *const T, *const T, *mut T, *mut f
 /// `out[c] = sum over k < chunks of partial[k * cols + c]`, in order of k.
 pub type ColsumFinishArgs<T> = (*const f32, *mut T, u64, u64);
 
-/// Name of the `colsum_finish` kernel for `dt`.
-pub const fn colsum_finish_kernel(dt: crate::DType) -> &'static str {
-    crate::kernel_name!("colsum_finish", dt)
-}
+// The host names these kernels by typed handles, per op and storage type (`UnaryKernels`,
+// `BinaryKernels`, ..., through `ElementwiseElem`), declared after the device code beside the
+// kernels and from the same op lists (`unary_list!`, ...), so that no kernel is named by a
+// string built at run time.
 
 /// Threads per block of the 1-D element-wise kernels.
 pub const BLOCK: u32 = 256;
@@ -906,6 +906,167 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
+// --- the host's handles: each op's kernels per storage type ----------------------------------
+
+use crate::kernel::Kernel;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::kernel::KernelEntry;
+#[cfg(not(target_arch = "nvptx64"))]
+use crate::ops::{Activation, Binary, OutputGrad, PowForm, Unary};
+
+/// A unary op's kernels of storage type `T` ([`crate::ops::Unary::kernels`]).
+#[derive(Clone, Copy, Debug)]
+pub struct UnaryKernels<T> {
+    /// `<op>_fwd_<dtype>`, above the small launches.
+    pub fwd: Kernel<UnaryFwdArgs<T>>,
+    /// `<op>_bwd_<dtype>`.
+    pub bwd: Kernel<UnaryBwdArgs<T>>,
+    /// `<op>_fwd_small_<dtype>`, for small launches.
+    pub fwd_small: Kernel<UnaryFwdArgs<T>>,
+    /// `<op>_bwd_small_<dtype>`.
+    pub bwd_small: Kernel<UnaryBwdArgs<T>>,
+}
+
+/// The small-launch entries of one of pow's forms ([`crate::ops::PowForm::kernels`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PowFormKernels<T> {
+    /// `<form>_fwd_small_<dtype>`.
+    pub fwd_small: Kernel<UnaryFwdArgs<T>>,
+    /// `<form>_bwd_small_<dtype>`.
+    pub bwd_small: Kernel<UnaryBwdArgs<T>>,
+}
+
+/// An op's backward from its output ([`crate::ops::OutputGrad::kernels`]): the first argument
+/// is the output `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct OutputGradKernels<T> {
+    /// `<op>_bwd_y_<dtype>`.
+    pub bwd_y: Kernel<UnaryBwdArgs<T>>,
+    /// `<op>_bwd_y_small_<dtype>`.
+    pub bwd_y_small: Kernel<UnaryBwdArgs<T>>,
+}
+
+/// A binary op's kernels ([`crate::ops::Binary::kernels`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BinaryKernels<T> {
+    /// `<op>_fwd_<dtype>`, above the small launches.
+    pub fwd: Kernel<BinaryFwdArgs<T>>,
+    /// `<op>_bwd_<dtype>`.
+    pub bwd: Kernel<BinaryBwdArgs<T>>,
+    /// `<op>_fwd_small_<dtype>`, for small launches.
+    pub fwd_small: Kernel<BinaryFwdArgs<T>>,
+    /// `<op>_bwd_small_<dtype>`.
+    pub bwd_small: Kernel<BinaryBwdArgs<T>>,
+    /// `<op>_row_fwd_<dtype>`: against a row broadcast along the last dimension.
+    pub row_fwd: Kernel<RowFwdArgs<T>>,
+    /// `<op>_row_bwd_<dtype>`.
+    pub row_bwd: Kernel<RowBwdArgs<T>>,
+}
+
+/// An activation's fused `act(x * scale + bias)` ([`crate::ops::Activation::kernels`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ScaleBiasKernels<T> {
+    /// `scale_bias_<act>_fwd_<dtype>`.
+    pub fwd: Kernel<RowFwdArgs<T>>,
+    /// `scale_bias_<act>_bwd_<dtype>`.
+    pub bwd: Kernel<RowBwdArgs<T>>,
+}
+
+/// A storage type's element-wise kernels, by op: set by the declarations below, from the op
+/// lists of [`crate::ops`]. The host reaches them through the ops' `kernels` methods.
+#[cfg(not(target_arch = "nvptx64"))]
+pub trait ElementwiseElem: Elem {
+    /// The kernels of the unary op `op`.
+    fn unary(op: Unary) -> UnaryKernels<Self>;
+    /// The small-launch entries of pow's form `f`.
+    fn pow_form(f: PowForm) -> PowFormKernels<Self>;
+    /// The backward from the output of `op`.
+    fn output_grad(op: OutputGrad) -> OutputGradKernels<Self>;
+    /// The kernels of the binary op `op`.
+    fn binary(op: Binary) -> BinaryKernels<Self>;
+    /// The fused kernels of the activation `act`.
+    fn scale_bias(act: Activation) -> ScaleBiasKernels<Self>;
+    /// `colsum_finish_<dtype>`: the end of the row-broadcast backwards' column sums.
+    const COLSUM_FINISH: Kernel<ColsumFinishArgs<Self>>;
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl Unary {
+    /// The op's kernels in storage type `T`.
+    pub fn kernels<T: ElementwiseElem>(self) -> UnaryKernels<T> {
+        T::unary(self)
+    }
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl PowForm {
+    /// The form's small-launch entries in storage type `T`.
+    pub fn kernels<T: ElementwiseElem>(self) -> PowFormKernels<T> {
+        T::pow_form(self)
+    }
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl OutputGrad {
+    /// The op's backward from its output in storage type `T`.
+    pub fn kernels<T: ElementwiseElem>(self) -> OutputGradKernels<T> {
+        T::output_grad(self)
+    }
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl Binary {
+    /// The op's kernels in storage type `T`.
+    pub fn kernels<T: ElementwiseElem>(self) -> BinaryKernels<T> {
+        T::binary(self)
+    }
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl Activation {
+    /// The fused `act(x * scale + bias)` kernels of the activation in storage type `T`.
+    pub fn kernels<T: ElementwiseElem>(self) -> ScaleBiasKernels<T> {
+        T::scale_bias(self)
+    }
+}
+
+/// Every kernel of the family: its name and arity (for the test against the PTX), from the
+/// tables of every op of every list.
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
+    fn of<T: ElementwiseElem>() -> impl Iterator<Item = KernelEntry> {
+        let unary = Unary::ALL.iter().flat_map(|&o| {
+            let k = o.kernels::<T>();
+            [k.fwd.entry(), k.bwd.entry(), k.fwd_small.entry(), k.bwd_small.entry()]
+        });
+        let pow = PowForm::ALL.iter().flat_map(|&f| {
+            let k = f.kernels::<T>();
+            [k.fwd_small.entry(), k.bwd_small.entry()]
+        });
+        let output = OutputGrad::ALL.iter().flat_map(|&o| {
+            let k = o.kernels::<T>();
+            [k.bwd_y.entry(), k.bwd_y_small.entry()]
+        });
+        let binary = Binary::ALL.iter().flat_map(|&o| {
+            let k = o.kernels::<T>();
+            [
+                k.fwd.entry(),
+                k.bwd.entry(),
+                k.fwd_small.entry(),
+                k.bwd_small.entry(),
+                k.row_fwd.entry(),
+                k.row_bwd.entry(),
+            ]
+        });
+        let fused = Activation::ALL.iter().flat_map(|&a| {
+            let k = a.kernels::<T>();
+            [k.fwd.entry(), k.bwd.entry()]
+        });
+        unary.chain(pow).chain(output).chain(binary).chain(fused).chain(core::iter::once(T::COLSUM_FINISH.entry()))
+    }
+    of::<f32>().chain(of::<crate::F16>()).chain(of::<crate::BF16>())
+}
+
 // --- the kernels: one per (op, dtype), named `<op>_<kind>_<dtype>` -----------------------------
 
 // The small-launch entries `<op>_fwd_small_<dtype>` and `<op>_bwd_small_<dtype>`: every unary
@@ -923,7 +1084,10 @@ macro_rules! small_kernels {
 }
 
 macro_rules! unary_kernels {
-    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(unary_kernels, $op, $O); )* };
+    ($($op:ident $O:ident),* $(,)?) => {
+        $( $crate::for_each_elem!(unary_kernels, $op, $O); )*
+        $crate::for_each_elem!(unary_handles, [$($op $O)*]);
+    };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
         paste::paste! {
             $crate::kernel!([<$op _fwd_ $sfx>]: UnaryFwdArgs<$T> = |x, y, n, a, b|
@@ -934,10 +1098,44 @@ macro_rules! unary_kernels {
         small_kernels!($T, $sfx, $op, $O);
     };
 }
+// Per storage type, each op's handles (`ElementwiseElem::unary`).
+macro_rules! unary_handles {
+    ($T:ty, $sfx:ident, [$($op:ident $O:ident)*]) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            fn [<unary_table_ $sfx>](op: Unary) -> UnaryKernels<$T> {
+                match op {
+                    $(Unary::$O => UnaryKernels {
+                        fwd: [<$op _fwd_ $sfx>],
+                        bwd: [<$op _bwd_ $sfx>],
+                        fwd_small: [<$op _fwd_small_ $sfx>],
+                        bwd_small: [<$op _bwd_small_ $sfx>],
+                    },)*
+                }
+            }
+        }
+    };
+}
 crate::unary_list!(unary_kernels);
 
 macro_rules! output_grad_kernels {
-    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(output_grad_kernels, $op, $O); )* };
+    ($($op:ident $O:ident),* $(,)?) => {
+        $( $crate::for_each_elem!(output_grad_kernels, $op, $O); )*
+        $crate::for_each_elem!(output_grad_kernels, [$($op $O)*]);
+    };
+    ($T:ty, $sfx:ident, [$($op:ident $O:ident)*]) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            fn [<output_grad_table_ $sfx>](op: OutputGrad) -> OutputGradKernels<$T> {
+                match op {
+                    $(OutputGrad::$O => OutputGradKernels {
+                        bwd_y: [<$op _bwd_y_ $sfx>],
+                        bwd_y_small: [<$op _bwd_y_small_ $sfx>],
+                    },)*
+                }
+            }
+        }
+    };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
         paste::paste! {
             $crate::kernel!([<$op _bwd_y_ $sfx>]: UnaryBwdArgs<$T> = |y, g, gx, n, a, b|
@@ -951,8 +1149,47 @@ crate::output_grad_list!(output_grad_kernels);
 
 crate::pow_form_list!(small_kernels);
 
+// Per storage type, the handles of pow's forms (`ElementwiseElem::pow_form`).
+macro_rules! pow_form_table {
+    ($($op:ident $O:ident),* $(,)?) => { $crate::for_each_elem!(pow_form_table, [$($op $O)*]); };
+    ($T:ty, $sfx:ident, [$($op:ident $O:ident)*]) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            fn [<pow_form_table_ $sfx>](f: PowForm) -> PowFormKernels<$T> {
+                match f {
+                    $(PowForm::$O => PowFormKernels {
+                        fwd_small: [<$op _fwd_small_ $sfx>],
+                        bwd_small: [<$op _bwd_small_ $sfx>],
+                    },)*
+                }
+            }
+        }
+    };
+}
+crate::pow_form_list!(pow_form_table);
+
 macro_rules! binary_kernels {
-    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(binary_kernels, $op, $O); )* };
+    ($($op:ident $O:ident),* $(,)?) => {
+        $( $crate::for_each_elem!(binary_kernels, $op, $O); )*
+        $crate::for_each_elem!(binary_kernels, [$($op $O)*]);
+    };
+    ($T:ty, $sfx:ident, [$($op:ident $O:ident)*]) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            fn [<binary_table_ $sfx>](op: Binary) -> BinaryKernels<$T> {
+                match op {
+                    $(Binary::$O => BinaryKernels {
+                        fwd: [<$op _fwd_ $sfx>],
+                        bwd: [<$op _bwd_ $sfx>],
+                        fwd_small: [<$op _fwd_small_ $sfx>],
+                        bwd_small: [<$op _bwd_small_ $sfx>],
+                        row_fwd: [<$op _row_fwd_ $sfx>],
+                        row_bwd: [<$op _row_bwd_ $sfx>],
+                    },)*
+                }
+            }
+        }
+    };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
         paste::paste! {
             $crate::kernel!([<$op _fwd_ $sfx>]: BinaryFwdArgs<$T> = |x, y, out, n|
@@ -974,7 +1211,23 @@ macro_rules! binary_kernels {
 crate::binary_list!(binary_kernels);
 
 macro_rules! fused_kernels {
-    ($($op:ident $O:ident),* $(,)?) => { $( $crate::for_each_elem!(fused_kernels, $op, $O); )* };
+    ($($op:ident $O:ident),* $(,)?) => {
+        $( $crate::for_each_elem!(fused_kernels, $op, $O); )*
+        $crate::for_each_elem!(fused_kernels, [$($op $O)*]);
+    };
+    ($T:ty, $sfx:ident, [$($op:ident $O:ident)*]) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            fn [<scale_bias_table_ $sfx>](act: Activation) -> ScaleBiasKernels<$T> {
+                match act {
+                    $(Activation::$O => ScaleBiasKernels {
+                        fwd: [<scale_bias_ $op _fwd_ $sfx>],
+                        bwd: [<scale_bias_ $op _bwd_ $sfx>],
+                    },)*
+                }
+            }
+        }
+    };
     ($T:ty, $sfx:ident, $op:ident, $O:ident) => {
         paste::paste! {
             $crate::kernel!([<scale_bias_ $op _fwd_ $sfx>]: RowFwdArgs<$T> = |x, p0, p1, y, n, cols, a, b|
@@ -996,3 +1249,31 @@ macro_rules! colsum_kernels {
     };
 }
 crate::for_each_elem!(colsum_kernels);
+
+// Each storage type's tables, from the lists' declarations above.
+macro_rules! elementwise_elem {
+    ($T:ty, $sfx:ident) => {
+        paste::paste! {
+            #[cfg(not(target_arch = "nvptx64"))]
+            impl ElementwiseElem for $T {
+                fn unary(op: Unary) -> UnaryKernels<$T> {
+                    [<unary_table_ $sfx>](op)
+                }
+                fn pow_form(f: PowForm) -> PowFormKernels<$T> {
+                    [<pow_form_table_ $sfx>](f)
+                }
+                fn output_grad(op: OutputGrad) -> OutputGradKernels<$T> {
+                    [<output_grad_table_ $sfx>](op)
+                }
+                fn binary(op: Binary) -> BinaryKernels<$T> {
+                    [<binary_table_ $sfx>](op)
+                }
+                fn scale_bias(act: Activation) -> ScaleBiasKernels<$T> {
+                    [<scale_bias_table_ $sfx>](act)
+                }
+                const COLSUM_FINISH: Kernel<ColsumFinishArgs<$T>> = [<colsum_finish_ $sfx>];
+            }
+        }
+    };
+}
+crate::for_each_elem!(elementwise_elem);

@@ -1009,8 +1009,8 @@ macro_rules! __unary_select {
 }
 
 /// Every row of [`unary_table`] as `stem Type,` pairs passed to `$m!` in one invocation: the
-/// device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the kernel-side
-/// enums below get their kernel names from the same list, so the two cannot differ.
+/// device side instantiates kernels named `<stem>_<kind>_<dtype>` from it, and the enums below
+/// and their kernels' typed handles (`elementwise`) come from the same list: they cannot differ.
 ///
 /// [`unary_table`]: crate::unary_table
 #[macro_export]
@@ -1058,14 +1058,10 @@ macro_rules! binary_list {
     };
 }
 
+// The enums of the lists above. Their kernels' typed handles, per storage type, are
+// `elementwise`'s (e.g. `Unary::kernels`), from the same lists.
 macro_rules! op_enum {
-    ($(#[$m:meta])* $Enum:ident, $prefix:literal, [$($kind:ident)*]; $ops:tt) => {
-        op_enum!(@enum $(#[$m])* $Enum; $ops);
-        impl $Enum {
-            $( op_enum!(@kind $Enum, $prefix, $kind; $ops); )*
-        }
-    };
-    (@enum $(#[$m:meta])* $Enum:ident; [$($op:ident $O:ident),* $(,)?]) => {
+    ($(#[$m:meta])* $Enum:ident; [$($op:ident $O:ident),* $(,)?]) => {
         $(#[$m])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum $Enum { $(#[doc = concat!("`", stringify!($op), "`.")] $O),* }
@@ -1111,21 +1107,13 @@ macro_rules! op_enum {
             }
         }
     };
-    (@kind $Enum:ident, $prefix:literal, $kind:ident; [$($op:ident $O:ident),* $(,)?]) => {
-        /// Kernel name of this kind for `dt`.
-        pub const fn $kind(self, dt: crate::DType) -> &'static str {
-            match self {
-                $($Enum::$O => crate::kernel_name!(concat!($prefix, stringify!($op), "_", stringify!($kind)), dt)),*
-            }
-        }
-    };
 }
 
 macro_rules! unary_enum {
     ($($t:tt)*) => { op_enum!(
         /// Every unary op (math and activations), as the kernels know it (parameters apart); the
         /// `_small` kernels are for small launches (see `elementwise`).
-        Unary, "", [fwd bwd fwd_small bwd_small]; [$($t)*]); };
+        Unary; [$($t)*]); };
 }
 unary_list!(unary_enum);
 
@@ -1167,14 +1155,14 @@ macro_rules! pow_form_enum {
     ($($t:tt)*) => { op_enum!(
         /// pow's forms with small-launch entries of their own (`<form>_fwd_small_<dtype>`,
         /// `<form>_bwd_small_<dtype>`; [`PowForm::of`] picks one from the exponent).
-        PowForm, "", [fwd_small bwd_small]; [$($t)*]); };
+        PowForm; [$($t)*]); };
 }
 pow_form_list!(pow_form_enum);
 
 macro_rules! activation_enum {
     ($($t:tt)*) => { op_enum!(
         /// The activations of the fused `act(x * scale + bias)` kernels (`scale_bias_<act>_*`).
-        Activation, "scale_bias_", [fwd bwd]; [$($t)*]); };
+        Activation; [$($t)*]); };
 }
 activation_list!(activation_enum);
 
@@ -1182,7 +1170,7 @@ macro_rules! binary_enum {
     ($($t:tt)*) => { op_enum!(
         /// The binary ops, on two tensors (`fwd`, `bwd`, and `fwd_small`, `bwd_small` for small
         /// launches) or against a row (`row_fwd`, `row_bwd`).
-        Binary, "", [fwd bwd row_fwd row_bwd fwd_small bwd_small]; [$($t)*]); };
+        Binary; [$($t)*]); };
 }
 binary_list!(binary_enum);
 
@@ -1190,6 +1178,6 @@ macro_rules! output_grad_enum {
     ($($t:tt)*) => { op_enum!(
         /// The ops with a backward from their output (`<op>_bwd_y_<dtype>`, [`OutputGradFn`];
         /// `bwd_y_small` for small launches).
-        OutputGrad, "", [bwd_y bwd_y_small]; [$($t)*]); };
+        OutputGrad; [$($t)*]); };
 }
 output_grad_list!(output_grad_enum);
