@@ -224,7 +224,9 @@ mod device {
         let cw = tid / 128 - 1;
         let lane = tid % 32;
         let warp = (tid % 128) / 32;
-        let leader = tid % 128 == 0;
+        // One thread of the warpgroup releases its stages locally, one of another warp remotely,
+        // so that neither waits on the other's arrive.
+        let (local, remote) = (tid % 128 == 0, tid % 128 == 32);
         let (mut s, mut ph) = (0u32, 0u32);
         let mut t = cluster_idx_x();
         while t < total {
@@ -252,9 +254,12 @@ mod device {
                     });
                     wgmma_commit();
                     wgmma_wait::<1>(&mut acc);
-                    if leader && prev != STAGES {
-                        mbarrier_arrive(empty(prev));
-                        mbarrier_arrive_cluster(empty(prev), rank ^ 1);
+                    if prev != STAGES {
+                        if local {
+                            mbarrier_arrive(empty(prev));
+                        } else if remote {
+                            mbarrier_arrive_cluster(empty(prev), rank ^ 1);
+                        }
                     }
                     prev = s;
                     s += 1;
@@ -264,9 +269,12 @@ mod device {
                     }
                 }
                 wgmma_wait::<0>(&mut acc);
-                if leader && prev != STAGES {
-                    mbarrier_arrive(empty(prev));
-                    mbarrier_arrive_cluster(empty(prev), rank ^ 1);
+                if prev != STAGES {
+                    if local {
+                        mbarrier_arrive(empty(prev));
+                    } else if remote {
+                        mbarrier_arrive_cluster(empty(prev), rank ^ 1);
+                    }
                 }
             }
             let row = tm * BM + cw * 64 + warp * 16 + lane / 4;

@@ -843,7 +843,8 @@ pub unsafe fn tma_load_3d_multicast(dst: u32, map: *const u64, bar: u32, (c0, c1
 }
 
 /// Arrives once on the mbarrier of block `rank` of this cluster at the address `addr` has in
-/// this block, releasing this thread's earlier accesses at cluster scope.
+/// this block (the arrive's default semantics, release at CTA scope, as CUTLASS's cluster
+/// barriers: a `.release.cluster` arrive waited for this thread's earlier stores).
 ///
 /// # Safety
 /// `addr` must be an initialised mbarrier in the dynamic shared memory of every block, `rank`
@@ -853,7 +854,7 @@ pub unsafe fn mbarrier_arrive_cluster(addr: u32, rank: u32) {
     // SAFETY: per the function contract.
     unsafe {
         asm!(
-            "{{ .reg .b32 ra; mapa.shared::cluster.u32 ra, {a}, {r}; mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }}",
+            "{{ .reg .b32 ra; mapa.shared::cluster.u32 ra, {a}, {r}; mbarrier.arrive.shared::cluster.b64 _, [ra]; }}",
             a = in(reg32) addr, r = in(reg32) rank,
             options(nostack, preserves_flags)
         );
