@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::gemm::EPI_IDENTITY;
-use kernels_gpu::gemm_epilogue::{Epilogue as DevEpilogue, PAIR};
+use kernels_gpu::gemm_epilogue::{Epilogue as DevEpilogue, PAIR, QUAD};
 use kernels_gpu::gemm_tc::{
     self as tc, GemmTcArgs, SPLITK_THREADS, SplitKReduceTcArgs, splitk_reduce_kernel, tc_kernel,
 };
@@ -258,7 +258,8 @@ fn plan(m: u64, n: u64, k: u64, batch: u64, sms: u64) -> Plan {
 fn pair_flag(d: Mat, residual: u64, size: u64) -> u32 {
     let even = d.ld.is_multiple_of(2) && d.stride.is_multiple_of(2);
     let aligned = d.ptr.is_multiple_of(2 * size) && residual.is_multiple_of(2 * size);
-    if even && aligned { PAIR } else { 0 }
+    let quad = (d.ld * size).is_multiple_of(16) && (d.stride * size).is_multiple_of(16) && d.ptr.is_multiple_of(16);
+    if even && aligned { PAIR | if quad { QUAD } else { 0 } } else { 0 }
 }
 
 /// The device epilogue of a launch whose first row of D is `r0` of batch `z0`.

@@ -47,6 +47,10 @@ pub struct Epilogue {
 /// i.e. `ldd` and `stride_d` are even and both bases are aligned to two elements.
 pub const PAIR: u32 = 1;
 
+/// [`Epilogue::flags`]: D's rows (and batches) start 16-byte aligned (`ldd` and `stride_d`
+/// multiples of 16 bytes, the base aligned to 16), so a kernel may store 16 bytes at a time.
+pub const QUAD: u32 = 2;
+
 /// A kernel parameter: a plain `#[repr(C)]` value of pointers and integers (72 bytes, alignment
 /// 8), which the PTX declares with the same layout (`.param .align 8 .b8 [72]`).
 impl crate::kernel::Param for Epilogue {}

@@ -75,7 +75,7 @@ pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) 
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
 mod device {
     use super::*;
-    use crate::gemm_epilogue::{OutType, is_plain, store_pair, store_pair_plain};
+    use crate::gemm_epilogue::{OutType, QUAD, is_plain, store_pair, store_pair_plain};
     use crate::prim::*;
 
     /// Consumer warpgroups.
@@ -102,6 +102,52 @@ mod device {
                 store_pair::<O>(e, b, row + 8, col + 8 * j as u32, [acc[4 * j + 2], acc[4 * j + 3]]);
             }
         }
+    }
+
+    /// Stores a consumer thread's accumulators (as [`store_tile`]) where the epilogue is a plain
+    /// store to a 16-bit D with 16-byte aligned rows and the tile lies inside D's columns: the
+    /// four threads of a quad exchange their pairs (a 4 x 4 transpose of 32-bit words by
+    /// shuffles) so that each stores 8 consecutive columns, 16 bytes, where it held four pairs
+    /// 16 bytes apart. A warp's store then covers whole 32-byte sectors, a quarter of the
+    /// instructions of the pair stores.
+    ///
+    /// # Safety
+    /// As [`store_tile`]; the whole warp calls it (shuffles).
+    #[inline(always)]
+    unsafe fn store_tile_quad<O: OutType>(e: &Epilogue, b: u32, row: u32, col_tile: u32, acc: &[f32; 128]) {
+        let t = thread_idx_x() % 4;
+        let pack = |lo: f32, hi: f32| {
+            if O::DTYPE == crate::DType::BF16 { f32x2_to_bf16x2(lo, hi) } else { f32x2_to_f16x2(lo, hi) }
+        };
+        unroll!(H: usize; 0 1 => {
+            let r = row + 8 * H as u32;
+            unroll!(G: usize; 0 1 2 3 4 5 6 7 => {
+                // w[j]: this thread's pair of columns 8 (4 G + j) + 2 t of row r.
+                let mut w = [0u32; 4];
+                unroll!(J: usize; 0 1 2 3 => {
+                    let i = 4 * (4 * G + J) + 2 * H;
+                    w[J] = pack(acc[i], acc[i + 1]);
+                });
+                // Transpose within the quad: afterwards w[j] is thread j's pair of columns
+                // 8 (4 G + t) + 2 j.
+                unroll!(M: u32; 2 1 => {
+                    unroll!(J: usize; 0 1 2 3 => {
+                        if J as u32 & M == 0 {
+                            let hi = J | M as usize;
+                            let keep_low = t & M == 0;
+                            let got = shfl_xor_u32(if keep_low { w[hi] } else { w[J] }, M);
+                            if keep_low { w[hi] = got } else { w[J] = got }
+                        }
+                    });
+                });
+                if r < e.m {
+                    let i = b as u64 * e.stride_d + r as u64 * e.ldd + (col_tile + 8 * (4 * G as u32 + t)) as u64;
+                    // SAFETY: the row is inside D, the tile's columns too (the caller's), and
+                    // rows are 16-byte aligned (QUAD).
+                    unsafe { st_global_v4((e.d as *mut u32).add(i as usize / 2), w) };
+                }
+            });
+        });
     }
 
     /// The kernel. `A_MN`/`B_MN` (0 or 1): A is M-major (`trans_a`), B is N-major (`!trans_b`).
@@ -279,9 +325,12 @@ mod device {
             }
             let row = tm * BM + cw * 64 + warp * 16 + lane / 4;
             let col = tn * BN + 2 * (lane % 4);
+            let quad = O::DTYPE != crate::DType::F32 && e.flags & QUAD != 0 && (tn + 1) * BN <= e.n;
             // SAFETY: the stores check rows and columns against the epilogue's m and n.
             unsafe {
-                if is_plain(e) {
+                if quad && is_plain(e) {
+                    store_tile_quad::<O>(e, b, row, tn * BN, &acc);
+                } else if is_plain(e) {
                     unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
                         store_pair_plain::<O>(e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
                         store_pair_plain::<O>(e, b, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
