@@ -1,5 +1,6 @@
 //! bf16/f16 GEMM benchmarks against cuBLAS (`cublasGemmEx`, f32 accumulation) in the same
-//! process, on the same buffers and stream, for the Hopper kernels (`gemm_wgmma`): the issue's
+//! process, on the same buffers and stream, of `ops::gemm` on an H100 or H200 (the Hopper kernels,
+//! `gemm_wgmma`, with their split-K for few tiles): the issue's
 //! shapes (4096^3, 8192^3, 2048^3, the LLM projections 8192x11008x4096, 8192x4096x11008 and
 //! 8192x128256x4096, the skinny 128x4096x4096 and 16x4096x4096) in the linear layer's layout
 //! (`x @ W^T`: A `m x k`, B stored `n x k`), and 4096^3 in every layout and in f16.
@@ -15,7 +16,7 @@
 //! ```
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
-use kernels::ops::gemm_wgmma::gemm_wgmma;
+use kernels::ops::{self, Gemm};
 use kernels::{DType, Device, Result, Tensor};
 
 struct Case {
@@ -33,7 +34,7 @@ fn cases() -> Vec<Case> {
     let mut add = |m: usize, n: usize, k: usize, ta: bool, tb: bool, dtype: DType| {
         let ops = format!("{}{}", if ta { 't' } else { 'n' }, if tb { 't' } else { 'n' });
         let dt = if dtype == DType::BF16 { "bf16" } else { "f16" };
-        v.push(Case { name: format!("gemm/{dt}/wgmma_{ops}@{m}x{n}x{k}"), dtype, ta, tb, m, n, k });
+        v.push(Case { name: format!("gemm/{dt}/{dt}gemm_{ops}@{m}x{n}x{k}"), dtype, ta, tb, m, n, k });
     };
     let bf = DType::BF16;
     for (m, n, k) in [
@@ -119,7 +120,7 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
     let b = Tensor::rand_normal(dev, &[br, bc], cs.dtype, 0.0, 1.0, 2)?;
     let mut c = Tensor::zeros(dev, &[cs.m, cs.n], cs.dtype)?;
     let mut c_ref = Tensor::zeros(dev, &[cs.m, cs.n], cs.dtype)?;
-    let ours = |c: &mut Tensor| gemm_wgmma(&a, &b, c, (cs.ta, cs.tb), 1.0, 0.0);
+    let ours = |c: &mut Tensor| ops::gemm(&a, &b, c, Gemm::new(cs.ta, cs.tb));
     let (mut t_ours, mut t_blas) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         ours(&mut c)?;

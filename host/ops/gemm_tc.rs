@@ -212,9 +212,11 @@ pub(crate) fn gemm_tc_dims(
 }
 
 /// The Hopper kernels' turn (`gemm_wgmma`, sm_90a): `Some(result)` when they took the product,
-/// `None` to leave it to the mma.sync kernels. They take products whose operands the copy
-/// engine can read ([`gemm_wgmma::supports`]) and that fill at least half the GPU with their
-/// 128 x 256 tiles; fewer tiles run faster as the mma.sync kernels' split-K.
+/// `None` to leave it to the mma.sync kernels. They take every product whose operands the copy
+/// engine can read ([`gemm_wgmma::supports`]). A single product with fewer 256 x 256 cluster
+/// tiles than the GPU has clusters of two SMs, and a long enough K, is split along K into as
+/// many slices as fill the GPU (each at least [`WGMMA_MIN_SLICE`] long), computed into an f32
+/// workspace and summed in order by the reduction of the mma.sync path.
 fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: u32) -> Option<Result<()>> {
     let (batch, m, n, k) = problem;
     if m.max(n).max(k) > i32::MAX as u64 {
@@ -222,12 +224,43 @@ fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: 
     }
     let a = gemm_wgmma::Operand { ptr: ops.a.ptr, ld: ops.a.ld, stride: ops.a.stride, trans: g.trans_a };
     let b = gemm_wgmma::Operand { ptr: ops.b.ptr, ld: ops.b.ld, stride: ops.b.stride, trans: g.trans_b };
-    let tiles = batch.saturating_mul(m.div_ceil(128)).saturating_mul(n.div_ceil(256));
-    if !gemm_wgmma::supports(dev, ops.input, ops.output, &a, &b) || tiles < dev.sm_count() as u64 / 2 {
+    if !gemm_wgmma::supports(dev, ops.input, ops.output, &a, &b) {
         return None;
     }
+    let cluster_tiles = batch.saturating_mul(m.div_ceil(256)).saturating_mul(n.div_ceil(256));
+    let clusters = dev.sm_count() as u64 / 2;
+    let splits =
+        if batch == 1 && cluster_tiles < clusters { (clusters / cluster_tiles).min(k / WGMMA_MIN_SLICE) } else { 1 };
+    if splits > 1 {
+        return Some(wgmma_split_k(dev, (m, n, k), splits, ops, (&a, &b), g, act));
+    }
     let epi = epilogue_for(ops, ops.d, (0, 0), (m, n), g, act);
-    Some(gemm_wgmma::launch("gemm", dev, (ops.input, ops.output), problem, &a, &b, epi))
+    Some(gemm_wgmma::launch("gemm", dev, (ops.input, ops.output), problem, &a, &b, epi, None))
+}
+
+/// The shortest K slice of the Hopper kernels' split: 8 stages.
+const WGMMA_MIN_SLICE: u64 = 512;
+
+/// [`try_fast_path`]'s split-K: `splits` (about) equal slices of K, a multiple of the stage.
+fn wgmma_split_k(
+    dev: &Device,
+    (m, n, k): (u64, u64, u64),
+    splits: u64,
+    ops: &Operands,
+    (a, b): (&gemm_wgmma::Operand, &gemm_wgmma::Operand),
+    g: &Gemm,
+    act: u32,
+) -> Result<()> {
+    let op = "gemm";
+    let chunk = k.div_ceil(splits).div_ceil(64) * 64;
+    let splits = k.div_ceil(chunk);
+    let ws = Tensor::alloc(op, dev, &[splits as usize, m as usize, n as usize], DType::F32)?;
+    let wm = Mat { ptr: ws.dev_ptr_u64(), ld: n, stride: m * n };
+    let partial = Operands { output: DType::F32, d: wm, residual: 0, bias_col: 0, bias_row: 0, ..*ops };
+    let plain = Gemm { alpha: 1.0, beta: 0.0, ..*g };
+    let epi = epilogue_for(&partial, wm, (0, 0), (m, n), &plain, EPI_IDENTITY);
+    gemm_wgmma::launch(op, dev, (ops.input, DType::F32), (splits, m, n, k), a, b, epi, Some(chunk))?;
+    reduce_splits(dev, &ws, splits, (m, n), ops, g, act)
 }
 
 /// How one product runs: K slices (1: no split) of `chunk` elements.
@@ -361,13 +394,27 @@ fn launch(dev: &Device, (batch, m, n, k): Problem, ops: &Operands, g: &Gemm, act
     if full < p.splits {
         launch_tiles(dev, (1, m, n, k - full * p.chunk), &slice(full), &plain, EPI_IDENTITY)?;
     }
+    reduce_splits(dev, &ws, p.splits, (m, n), ops, g, act)
+}
+
+/// `D = epilogue(sum of the f32 slices of ws)`, summed in order (deterministic), for a single
+/// product whose `splits` partial products `ws` holds (`[splits, m, n]`).
+fn reduce_splits(
+    dev: &Device,
+    ws: &Tensor,
+    splits: u64,
+    (m, n): (u64, u64),
+    ops: &Operands,
+    g: &Gemm,
+    act: u32,
+) -> Result<()> {
     let groups = m * n.div_ceil(2);
     let cfg = LaunchConfig {
         grid: (groups.div_ceil(SPLITK_THREADS as u64) as u32, 1, 1),
         block: (SPLITK_THREADS, 1, 1),
         shared_bytes: 0,
     };
-    let args: SplitKReduceTcArgs = (ws.dev_ptr(), p.splits as u32, epilogue_for(ops, ops.d, (0, 0), (m, n), g, act));
+    let args: SplitKReduceTcArgs = (ws.dev_ptr(), splits as u32, epilogue_for(ops, ops.d, (0, 0), (m, n), g, act));
     // SAFETY: ws holds `splits` slices of m x n floats, D (batch 1) is m x n with its residual
     // and biases as checked; one thread per 2 columns of a row, the grid covers m * ceil(n / 2).
     unsafe { dev.launch(splitk_reduce_kernel(ops.output), cfg, args) }

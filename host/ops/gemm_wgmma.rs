@@ -11,7 +11,7 @@ use cudarc::driver::sys;
 use kernels_gpu::DType;
 use kernels_gpu::gemm_epilogue::Epilogue;
 use kernels_gpu::gemm_wgmma::{
-    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, SMEM_BYTES, THREADS, WgmmaArgs, wgmma_kernel,
+    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, SMEM_BYTES, SPLIT_K, THREADS, WgmmaArgs, wgmma_kernel,
 };
 
 /// One input operand as stored: device address, elements between rows (`ld`) and between the
@@ -83,8 +83,10 @@ fn tensor_map(
 }
 
 /// Runs `batch` products `op(A) @ op(B)` (`m x k` by `k x n`) through the epilogue `epi` (whose
-/// `m`, `n` must be these) with the wgmma kernels. The caller checked [`supports`], the shapes
-/// against the tensors, and `epi` against D.
+/// `m`, `n` must be these) with the wgmma kernels; or, with `k_chunk`, one product (A and B not
+/// batched) split along K into `batch` slices of `k_chunk` (a multiple of 64), slice `s`'s
+/// partial product into D's batch `s`. The caller checked [`supports`], the shapes against the
+/// tensors, and `epi` against D.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     op: &'static str,
@@ -94,6 +96,7 @@ pub(crate) fn launch(
     a: &Operand,
     b: &Operand,
     epi: Epilogue,
+    k_chunk: Option<u64>,
 ) -> Result<()> {
     let Some(kernel) = wgmma_kernel(a.trans, b.trans, input == DType::BF16, out) else {
         return Err(Error::InvalidArgument { op, message: format!("no wgmma kernel for {input:?} into {out:?}") });
@@ -108,6 +111,10 @@ pub(crate) fn launch(
             op,
             message: format!("{batch} x {m} x {n} x {k} is beyond the kernel's range"),
         });
+    }
+    let split = k_chunk.is_some();
+    if split && (a.stride != 0 || b.stride != 0) {
+        return Err(Error::InvalidArgument { op, message: "split-K of a batched product".into() });
     }
     let bmul = |o: &Operand| if o.stride == 0 { 1 } else { batch };
     // A: K-major boxes of 64 K x 128 rows, or M-major boxes of 64 rows x 64 K (two a stage).
@@ -127,7 +134,9 @@ pub(crate) fn launch(
     let mut maps = dev.alloc(op, 256)?;
     let words: Vec<u64> = map_a.iter().chain(map_b.iter()).copied().collect();
     maps.copy_from_host_async(&words)?;
-    let flags = if a.stride != 0 { A_BATCHED } else { 0 } | if b.stride != 0 { B_BATCHED } else { 0 };
+    let flags = if a.stride != 0 { A_BATCHED } else { 0 }
+        | if b.stride != 0 { B_BATCHED } else { 0 }
+        | if split { SPLIT_K } else { 0 };
     // Persistent: as many clusters as fit at once (66 on a 132-SM H100), or one per tile.
     let resident = dev.max_active_clusters(kernel.name(), CLUSTER, THREADS, SMEM_BYTES)?.max(1);
     let cfg = LaunchConfig {
@@ -135,57 +144,9 @@ pub(crate) fn launch(
         block: (THREADS, 1, 1),
         shared_bytes: SMEM_BYTES,
     };
-    let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags);
+    let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags, k_chunk.unwrap_or(k) as u32);
     // SAFETY: the maps describe A and B as the caller checked them (the copy engine reads
     // nothing outside them); `epi` describes D; the buffer of maps lives until the kernel has
     // read it (freed stream-ordered after it).
     unsafe { dev.launch(kernel, cfg, args) }
-}
-
-/// Runs `C = alpha * op(A) @ op(B) + beta * C` on the wgmma kernels directly, for tests and
-/// measurements of this path (feature `internals`): A and B 2-D bf16 or f16 matrices, C 2-D
-/// f32, bf16 or f16. An error where [`supports`] does not hold.
-#[cfg(feature = "internals")]
-pub fn gemm_wgmma(
-    a: &crate::Tensor,
-    b: &crate::Tensor,
-    c: &mut crate::Tensor,
-    trans: (bool, bool),
-    alpha: f32,
-    beta: f32,
-) -> Result<()> {
-    let op = "gemm_wgmma";
-    let (&[ar, ac], &[br, bc], &[m, n]) = (a.shape(), b.shape(), c.shape()) else {
-        return Err(Error::InvalidArgument { op, message: "A, B and C must be matrices".into() });
-    };
-    let (am, k) = if trans.0 { (ac, ar) } else { (ar, ac) };
-    let (kb, bn) = if trans.1 { (bc, br) } else { (br, bc) };
-    if (am, bn) != (m, n) || k != kb || a.dtype() != b.dtype() {
-        return Err(Error::InvalidArgument {
-            op,
-            message: format!("shapes {:?} {:?} {:?}", a.shape(), b.shape(), c.shape()),
-        });
-    }
-    let dev = a.device().clone();
-    let oa = Operand { ptr: a.dev_ptr_u64(), ld: ac as u64, stride: 0, trans: trans.0 };
-    let ob = Operand { ptr: b.dev_ptr_u64(), ld: bc as u64, stride: 0, trans: trans.1 };
-    if !supports(&dev, a.dtype(), c.dtype(), &oa, &ob) {
-        return Err(Error::InvalidArgument { op, message: "not a product the wgmma kernels take".into() });
-    }
-    let pairs = n.is_multiple_of(2) && c.dev_ptr_u64().is_multiple_of(8);
-    let epi = Epilogue {
-        d: c.dev_ptr_mut::<u8>()?,
-        ldd: n as u64,
-        stride_d: 0,
-        residual: std::ptr::null(),
-        bias_col: std::ptr::null(),
-        bias_row: std::ptr::null(),
-        m: m as u32,
-        n: n as u32,
-        alpha,
-        beta,
-        act: kernels_gpu::gemm::EPI_IDENTITY,
-        flags: if pairs { kernels_gpu::gemm_epilogue::PAIR } else { 0 },
-    };
-    launch(op, &dev, (a.dtype(), c.dtype()), (1, m as u64, n as u64, k as u64), &oa, &ob, epi)
 }

@@ -52,11 +52,16 @@ pub const SMEM_BYTES: u32 = 1024 + STAGES * (A_STAGE + B_STAGE) + 2 * STAGES * 8
 pub const A_BATCHED: u32 = 1;
 /// As [`A_BATCHED`], for B.
 pub const B_BATCHED: u32 = 2;
+/// Bit of the flags parameter: split-K. The batch index is the slice of K, `[b * k_chunk,
+/// (b + 1) * k_chunk)`, of a single product (A and B not batched); D's batch `b` is that slice's
+/// partial product (an f32 workspace that a reduction sums).
+pub const SPLIT_K: u32 = 4;
 
 /// Parameters: the two tensor maps (A's at the address, B's 128 bytes after it; in global
 /// memory, 64-byte aligned), the epilogue (its `m`, `n` the product's), `k`, the batch count,
-/// and the flags ([`A_BATCHED`], [`B_BATCHED`]).
-pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32);
+/// the flags ([`A_BATCHED`], [`B_BATCHED`], [`SPLIT_K`]) and, with `SPLIT_K`, the slices' length
+/// (a multiple of [`BK`]).
+pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32, u32);
 
 /// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles (here the tiles of a
 /// cluster, `CLUSTER * BM x BN`): `(batch, tile row, tile column)`. Within a batch, groups of [`GROUP_M`] tile rows are walked column by column,
@@ -162,6 +167,7 @@ mod device {
         k: u32,
         batch: u32,
         flags: u32,
+        k_chunk: u32,
     ) {
         let tid = thread_idx_x();
         let wg = tid / 128;
@@ -190,7 +196,15 @@ mod device {
         let tiles_m = e.m.div_ceil(BM * CLUSTER);
         let tiles_n = e.n.div_ceil(BN);
         let total = tiles_m * tiles_n * batch;
-        let k_tiles = k.div_ceil(BK);
+        // The K range of batch `b`: all of K, or its slice.
+        let k_range = |b: u32| {
+            if flags & SPLIT_K != 0 {
+                let k0 = b * k_chunk;
+                (k0, (k - k0).min(k_chunk).div_ceil(BK))
+            } else {
+                (0, k.div_ceil(BK))
+            }
+        };
 
         if wg == 0 {
             // SAFETY: the whole warpgroup; the kernel's `.maxntid`/`.minnctapersm` cap it.
@@ -213,10 +227,11 @@ mod device {
                         let za = if flags & A_BATCHED != 0 { b as i32 } else { 0 };
                         let zb = if flags & B_BATCHED != 0 { b as i32 } else { 0 };
                         let (m0, n0) = (((tm * CLUSTER + rank) * BM) as i32, (tn * BN) as i32);
+                        let (k0, k_tiles) = k_range(b);
                         for kt in 0..k_tiles {
                             mbarrier_wait_parity(empty(s), ph ^ 1);
                             mbarrier_arrive_expect_tx(full(s), A_STAGE + B_STAGE);
-                            let kc = (kt * BK) as i32;
+                            let kc = (k0 + kt * BK) as i32;
                             let (a_dst, b_dst) = (a_s + s * A_STAGE, b_s + s * B_STAGE);
                             if A_MN == 1 {
                                 // Two boxes of 64 rows of M by 64 of K, each 64 K rows of 128 bytes.
@@ -246,20 +261,20 @@ mod device {
                 }
             }
         } else {
-            consume::<BF16, O, A_MN, B_MN>(&e, (a_s, b_s, bars), (tiles_m, tiles_n, total), k_tiles);
+            consume::<BF16, O, A_MN, B_MN>(&e, (a_s, b_s, bars), (tiles_m, tiles_n, total), k_range);
         }
         // No block exits while the other may still signal its barriers or write its ring.
         cluster_sync();
     }
 
     /// The consumer warpgroups' part of [`gemm`]: `(a_s, b_s, bars)` the ring and its barriers,
-    /// `tiles` the walk's `(tiles_m, tiles_n, total)`.
+    /// `tiles` the walk's `(tiles_m, tiles_n, total)`, `k_range` batch `b`'s first K and stages.
     #[inline(always)]
     fn consume<const BF16: bool, O: OutType, const A_MN: u32, const B_MN: u32>(
         e: &Epilogue,
         (a_s, b_s, bars): (u32, u32, u32),
         (tiles_m, tiles_n, total): (u32, u32, u32),
-        k_tiles: u32,
+        k_range: impl Fn(u32) -> (u32, u32),
     ) {
         let full = |s: u32| bars + 8 * s;
         let empty = |s: u32| bars + 8 * (STAGES + s);
@@ -278,6 +293,7 @@ mod device {
         while t < total {
             let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
             let tm = tm * CLUSTER + rank;
+            let k_tiles = k_range(b).1;
             // Zeroed, not `[0.0; 128]`: rustc writes a repeat as a loop with a variable index,
             // which keeps the array out of registers.
             // SAFETY: all-zero bits are 0.0.
@@ -359,8 +375,8 @@ macro_rules! wgmma_kernels {
     ($( $ta:literal $tb:literal $ab:ident: $( $name:ident $bf16:literal $out:ty ),* ; )*) => {
         $( $(
             #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90a"))]
-            crate::kernel!($name: WgmmaArgs = |maps, e, k, batch, flags|
-                device::gemm::<$bf16, $out, { $ta as u32 }, { !$tb as u32 }>(maps, e, k, batch, flags));
+            crate::kernel!($name: WgmmaArgs = |maps, e, k, batch, flags, k_chunk|
+                device::gemm::<$bf16, $out, { $ta as u32 }, { !$tb as u32 }>(maps, e, k, batch, flags, k_chunk));
         )* )*
 
         /// The kernel for transposes `trans_a`, `trans_b`, bf16 (`bf16`) or f16 inputs, and
