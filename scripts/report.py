@@ -153,14 +153,20 @@ def rows_table(run, table):
 def gemm_name(r):
     op, shape = r["op"], r["shape"].replace("x", " x ")
     prec = "3xTF32" if "3xtf32" in op else "f32 FMA"
+    if r.get("dtype") in ("bf16", "f16"):
+        prec = r["dtype"]
+        what = "gelu(x @ W^T + b)" if op.startswith("linear") else f"GEMM {op.rsplit('_', 1)[-1].upper()}"
+        return f"{what}, {shape}", prec
     layout = op.rsplit("_", 1)[-1].upper()
     what = "relu(x @ W^T + b)" if op.startswith("linear") else f"GEMM {layout}"
     return f"{what}, {shape}", prec
 
 
 def gemm_table(run, table):
-    lines = [f"Matrix products (f32), {source(run, table)}. TFLOP/s; ratio = cuBLAS (`cublasSgemm`, FP32) "
-             "time / ours:", ""]
+    half = any(r.get("dtype") in ("bf16", "f16") for r in table["records"])
+    blas = "`cublasGemmEx`, f32 accumulation" if half else "`cublasSgemm`, FP32"
+    lines = [f"Matrix products ({'bf16, f16' if half else 'f32'}), {source(run, table)}. TFLOP/s; ratio = cuBLAS "
+             f"({blas}) time / ours:", ""]
     lines.append("| product (m x n x k) | precision | ours | cuBLAS | ratio |")
     lines.append("|---|---|---:|---:|---:|")
     for r in table["records"]:
