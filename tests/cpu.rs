@@ -1,9 +1,17 @@
 //! CPU-only tests: what needs no GPU. The random-number generator against published known
-//! answers, the chunk kernels' work a thread, and the behaviour without a driver (an error, never
-//! a panic). (The embedded PTX is checked against the host's launches by the crate's unit tests.)
+//! answers, the chunk kernels' work a thread, the behaviour without a driver (an error, never
+//! a panic), and the bf16/f16 linear layer's error bounds against a CPU emulation of its path. (The embedded PTX is checked against the host's launches by the crate's unit tests.)
 
 use kernels::{DType, Device, Error};
 use kernels_gpu::ops::Unary;
+
+#[allow(dead_code)]
+#[path = "common/reference.rs"]
+mod reference;
+
+#[allow(dead_code)]
+#[path = "common/linear_ref.rs"]
+mod linear_ref;
 
 /// Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).
 #[test]
@@ -79,4 +87,97 @@ fn a_missing_gpu_is_an_error_not_a_panic() {
     }
     // Asking for a device that cannot exist is an error either way.
     assert!(matches!(Device::cuda(1 << 20), Err(Error::NoDriver { .. } | Error::NoDevice { .. })));
+}
+
+/// The bounds of the bf16/f16 linear layer (tests/common/linear_ref.rs) admit a CPU emulation of
+/// the layer's path (f32 sums of exact products in one order, f32 epilogue, roundings to the
+/// dtype where the layer rounds), and reject two wrong computations: the bias gradient summed
+/// in the dtype instead of f32 (where dz is exact), and the weight read untransposed. So the GPU tests built on them
+/// can fail on a kernel that rounds too often or reads the wrong operand.
+#[test]
+fn linear_tc_bounds_admit_an_emulation_and_reject_wrong_paths() {
+    use kernels::ops::Activation;
+    use linear_ref::{Inputs, check, expect};
+    use reference::{act_bwd, act_fwd};
+
+    fn round(dt: DType, v: f32) -> f32 {
+        match dt {
+            DType::BF16 => half::bf16::from_f32(v).to_f32(),
+            DType::F16 => half::f16::from_f32(v).to_f32(),
+            DType::F32 => v,
+        }
+    }
+    /// `sum_k a(k) b(k)` in f32 FMAs, in order (the products of two bf16 or f16 are exact).
+    fn dot(k: usize, a: impl Fn(usize) -> f32, b: impl Fn(usize) -> f32) -> f32 {
+        (0..k).fold(0.0f32, |acc, i| a(i).mul_add(b(i), acc))
+    }
+    let (rows, inp, out) = (512, 48, 48);
+    for (di, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        for (ai, act) in [Activation::Identity, Activation::Relu, Activation::Gelu].into_iter().enumerate() {
+            // A deterministic spread of values (SplitMix64 to [-1, 1)), rounded to the dtype.
+            let mut state = (8 * ai + di) as u64;
+            let mut draw = |n: usize, scale: f32| -> Vec<f32> {
+                (0..n)
+                    .map(|_| {
+                        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                        let mut z = state;
+                        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                        let u = ((z ^ (z >> 31)) >> 11) as f32 / (1u64 << 53) as f32;
+                        round(dt, (2.0 * u - 1.0) * scale)
+                    })
+                    .collect()
+            };
+            let (x, w, b, dy) = (draw(rows * inp, 2.0), draw(out * inp, 0.3), draw(out, 1.0), draw(rows * out, 1.0));
+            let p = Inputs { x: &x, w: &w, b: Some(&b), dy: &dy, rows, inp, out };
+            let r = expect(dt, &p, act, rows as u64);
+            let what = format!("{dt:?} {act:?}");
+
+            // The layer's path: z in f32 plus the bias, the activation fused (inference) or on
+            // the stored z (training with GELU), dz rounded, the products in f32, db in f32.
+            let z32: Vec<f32> = (0..rows * out)
+                .map(|ro| dot(inp, |i| x[ro / out * inp + i], |i| w[ro % out * inp + i]) + b[ro % out])
+                .collect();
+            let act32 = |v: f32| act_fwd(act, v as f64) as f32;
+            let fused: Vec<f32> = z32.iter().map(|&v| round(dt, act32(v))).collect();
+            let zd: Vec<f32> = z32.iter().map(|&v| round(dt, v)).collect();
+            let stored: Vec<f32> = zd.iter().map(|&v| round(dt, act32(v))).collect();
+            check(&format!("{what} y"), &fused, &r.y_inference).unwrap();
+            let y_train = if act == Activation::Gelu { &stored } else { &fused };
+            check(&format!("{what} train y"), y_train, &r.y_train).unwrap();
+            let dz: Vec<f32> = (0..rows * out)
+                .map(|i| match act {
+                    Activation::Relu if y_train[i] <= 0.0 => 0.0,
+                    Activation::Relu | Activation::Identity => dy[i],
+                    _ => round(dt, act_bwd(act, zd[i] as f64, dy[i] as f64) as f32),
+                })
+                .collect();
+            let dx: Vec<f32> = (0..rows * inp)
+                .map(|ri| round(dt, dot(out, |o| dz[ri / inp * out + o], |o| w[o * inp + ri % inp])))
+                .collect();
+            let dw: Vec<f32> = (0..out * inp)
+                .map(|oi| round(dt, dot(rows, |r_| dz[r_ * out + oi / inp], |r_| x[r_ * inp + oi % inp])))
+                .collect();
+            let db: Vec<f32> = (0..out).map(|o| round(dt, (0..rows).map(|r_| dz[r_ * out + o]).sum::<f32>())).collect();
+            check(&format!("{what} dx"), &dx, &r.dx).unwrap();
+            check(&format!("{what} dW"), &dw, &r.dw).unwrap();
+            let rdb = r.db.as_ref().unwrap();
+            check(&format!("{what} db"), &db, rdb).unwrap();
+
+            // Wrong: db as a running sum in the dtype (told apart where dz is exact: with GELU
+            // the bound carries dz's own roundings, 512 of them, which are as large).
+            if act != Activation::Gelu {
+                let db_narrow: Vec<f32> =
+                    (0..out).map(|o| (0..rows).fold(0.0, |acc, r_| round(dt, acc + dz[r_ * out + o]))).collect();
+                assert!(check("db summed in the dtype", &db_narrow, rdb).is_err(), "{what}: db in the dtype passed");
+            }
+            // Wrong: x @ W instead of x @ W^T (W is square here).
+            let untransposed: Vec<f32> = (0..rows * out)
+                .map(|ro| {
+                    round(dt, act32(dot(inp, |i| x[ro / out * inp + i], |i| w[i * inp + ro % out]) + b[ro % out]))
+                })
+                .collect();
+            assert!(check("x @ W", &untransposed, &r.y_inference).is_err(), "{what}: x @ W passed");
+        }
+    }
 }

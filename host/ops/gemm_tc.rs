@@ -3,7 +3,7 @@
 //! `C = act(alpha * op(A) @ op(B) + beta * C + bias + row_bias) + residual`, A and B both bf16 or
 //! both f16, accumulated in f32, C bf16, f16 or f32 (rounded once, to C's dtype).
 //!
-//! [`gemm_ex`](super::gemm_ex), [`gemm`](super::gemm) and [`matmul`](super::matmul) come here
+//! [`gemm_ex`](super::gemm_ex), [`gemm`](super::gemm()) and [`matmul`](super::matmul) come here
 //! for such operands; [`gemm_fused`] is the entry with the whole epilogue.
 //!
 //! Launch logic (as the f32 GEMM's, `host/ops/gemm.rs`): one block per 128 x 128 tile of C and

@@ -11,12 +11,17 @@
 //!   read off y > 0, as PyTorch does) and stay one kernel.
 //! - Backward ([`linear_backward`]): `dz = act'(z) * dy` (element-wise), `dx = dz @ W`,
 //!   `dW = dz^T @ x` (the GEMM reads dz transposed in place) and `db = sum of dz over the rows`.
+//!
+//! Dtypes: f32 (the f32 GEMM), or bf16 or f16 throughout (x, weight, bias, dy, the outputs and
+//! the gradients): the products run on the tensor cores with f32 accumulation and round once
+//! to the dtype, the epilogue (bias, activation) in f32 before that rounding; `z`, `dz` and the
+//! non-fused activations are stored in the dtype (as PyTorch's autocast keeps them), and `db`
+//! sums in f32 and rounds once. Mixed dtypes are an [`Error::InvalidArgument`].
 
 use super::gemm::{Gemm, gemm_dims};
 use super::{Activation, ReduceOp, check_same_device, reduce_leading_dims, unary_, unary_backward};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use kernels_gpu::DType;
 
 /// What [`linear_train`] keeps for the backward: the pre-activation `z` when the activation's
 /// derivative needs it (all but identity and relu).
@@ -36,14 +41,17 @@ pub struct LinearGrads {
     pub bias: Option<Tensor>,
 }
 
-/// `(rows, in, out)` of `x [..., in] @ W^T` with `W [out, in]`, checked.
+/// `(rows, in, out)` of `x [..., in] @ W^T` with `W [out, in]`, checked: `x`, `weight` and `bias`
+/// all f32, all bf16 or all f16 (the dtype of the result and of every gradient).
 fn shapes(op: &'static str, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<(usize, usize, usize)> {
-    for (name, t) in [("x", x), ("weight", w)].into_iter().chain(bias.map(|b| ("bias", b))) {
-        if t.dtype() != DType::F32 {
+    for (name, t) in [("weight", w)].into_iter().chain(bias.map(|b| ("bias", b))) {
+        if t.dtype() != x.dtype() {
             return Err(Error::InvalidArgument {
                 op,
                 message: format!(
-                    "{name} is {:?} (shape {:?}): the linear layer computes in f32 only",
+                    "x is {:?} but {name} is {:?} (shape {:?}): x, weight and bias must share one dtype \
+                     (cast first)",
+                    x.dtype(),
                     t.dtype(),
                     t.shape()
                 ),
@@ -86,7 +94,8 @@ fn forward(op: &'static str, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, fuse
     let (rows, inp, out) = shapes(op, x, w, bias)?;
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("checked: at least one dimension") = out;
-    let mut y = Tensor::alloc(op, x.device(), &shape, DType::F32)?;
+    // y of x's dtype; bf16 and f16 accumulate in f32 on the tensor cores and round once.
+    let mut y = Tensor::alloc(op, x.device(), &shape, x.dtype())?;
     // x [..., in] as the matrix [rows, in], y as [rows, out].
     let wd = (None, out, inp);
     gemm_dims(op, (x, (None, rows, inp)), (w, wd), (&mut y, (None, rows, out)), Gemm::new(false, true), bias, fused)?;
@@ -137,11 +146,12 @@ pub fn linear_backward(
     let op = "linear_backward";
     let (rows, inp, out) = shapes(op, x, weight, bias)?;
     for (name, t) in [("y", y), ("dy", dy)] {
-        if t.numel() != rows * out || t.shape().last() != Some(&out) || t.dtype() != DType::F32 {
+        if t.numel() != rows * out || t.shape().last() != Some(&out) || t.dtype() != x.dtype() {
             return Err(Error::InvalidArgument {
                 op,
                 message: format!(
-                    "{name} must be f32 [..., {out}] with {rows} rows, got {:?} {:?}",
+                    "{name} must be {:?} (x's dtype) [..., {out}] with {rows} rows, got {:?} {:?}",
+                    x.dtype(),
                     t.dtype(),
                     t.shape()
                 ),
@@ -173,12 +183,13 @@ pub fn linear_backward(
     };
     let (dzd, xd, wd) = ((None, rows, out), (None, rows, inp), (None, out, inp));
     // dx [rows, in] = dz [rows, out] @ W [out, in].
-    let mut dx = Tensor::alloc(op, x.device(), x.shape(), DType::F32)?;
+    let mut dx = Tensor::alloc(op, x.device(), x.shape(), x.dtype())?;
     gemm_dims(op, (dz, dzd), (weight, wd), (&mut dx, xd), Gemm::default(), None, Activation::Identity)?;
     // dW [out, in] = dz^T @ x: dz read transposed in place.
-    let mut dw = Tensor::alloc(op, x.device(), &[out, inp], DType::F32)?;
+    let mut dw = Tensor::alloc(op, x.device(), &[out, inp], x.dtype())?;
     gemm_dims(op, (dz, dzd), (x, xd), (&mut dw, wd), Gemm::new(true, false), None, Activation::Identity)?;
-    // db = the column sums of dz over all its leading dimensions.
+    // db = the column sums of dz over all its leading dimensions, accumulated in f32 (bf16 and
+    // f16 too) in a fixed order and rounded once.
     let db = if bias.is_some() { Some(reduce_leading_dims(dz, ReduceOp::Sum)?) } else { None };
     Ok(LinearGrads { x: dx, weight: dw, bias: db })
 }

@@ -732,7 +732,9 @@ def cross_entropy(
 
 # --- linear layer -------------------------------------------------------------------------------
 #
-# act(x @ W^T + b) on the library's f32 GEMM (CUDA cores, FFMA, no TF32). Three ops:
+# act(x @ W^T + b) on the library's GEMM: float32 on the CUDA cores (FFMA, or 3xTF32 when set),
+# bfloat16 and float16 on the tensor cores with f32 accumulation, each result rounded once to the
+# dtype (x, weight, bias, grad and every output share one dtype). Three ops:
 # - linear: one kernel, the bias and activation fused into the GEMM's store (inference, and
 #   training with identity or relu, whose backward reads y).
 # - linear_train: the GEMM stores the pre-activation z, then one element-wise pass writes
@@ -758,21 +760,11 @@ def _linear_act(op: str, activation: Optional[str]) -> str:
     return act
 
 
-def _f32_only(op: str, name: str, t) -> None:
-    if isinstance(t, Tensor) and t.dtype != torch.float32:
-        raise TypeError(
-            f"{NS}::{op}: {name} has dtype {t.dtype}; the linear layer computes in float32 only (the library's "
-            f"GEMM is f32; kernels_torch.nn.Linear falls back to PyTorch for other dtypes)"
-        )
-
-
 def _linear_check(
     op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Optional[Tensor], int, int, int]:
     """x, weight, bias as the kernels need them, and (rows, in, out) of x viewed as [rows, in]."""
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        _f32_only(op, name, t)
-    x = _check(op, "x", x, dtype=torch.float32)
+    x = _check(op, "x", x)
     weight = _check(op, "weight", weight, like=x)
     if weight.dim() != 2:
         raise ValueError(f"{NS}::{op}: weight must be [out_features, in_features], got shape {list(weight.shape)}")
@@ -800,10 +792,11 @@ def linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activati
     act = _linear_act(op, activation)
     x, weight, bias, rows, inp, out = _linear_check(op, x, weight, bias)
     y = _new(_out_shape(x, weight), x)
-    dev, stream, _ = _where(x)
+    dev, stream, dt = _where(x)
     _native.linear_fwd(
-        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, inp, out
-    )
+        dev, stream, dt, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), rows, inp,
+        out,
+    )  # fmt: skip
     return y
 
 
@@ -827,9 +820,9 @@ def linear_train_op(
     x, weight, bias, rows, inp, out = _linear_check(op, x, weight, bias)
     shape = _out_shape(x, weight)
     y, pre = _new(shape, x), _new(shape, x)
-    dev, stream, _ = _where(x)
+    dev, stream, dt = _where(x)
     _native.linear_train_fwd(
-        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), pre.data_ptr(),
+        dev, stream, dt, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), pre.data_ptr(),
         rows, inp, out,
     )  # fmt: skip
     return y, pre
@@ -857,8 +850,6 @@ def linear_backward_op(
     gradient not asked for is an empty tensor."""
     op = "linear_backward"
     act = _linear_act(op, activation)
-    _f32_only(op, "grad", grad)
-    _f32_only(op, "saved", saved)
     x, weight, _, rows, inp, out = _linear_check(op, x, weight, None)
     shape = _out_shape(x, weight)
     grad = _check(op, "grad", grad, like=x)
@@ -873,9 +864,9 @@ def linear_backward_op(
     gx = _new(x.shape if x_grad else [0], x)
     gw = _new(weight.shape if weight_grad else [0], x)
     gb = _new([out] if bias_grad else [0], x)
-    dev, stream, _ = _where(x)
+    dev, stream, dt = _where(x)
     _native.linear_bwd(
-        dev, stream, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), 0 if dz is None else saved.data_ptr(),
+        dev, stream, dt, ACTIVATIONS[act][0], x.data_ptr(), weight.data_ptr(), 0 if dz is None else saved.data_ptr(),
         grad.data_ptr(), _ptr(dz), gx.data_ptr() if x_grad else 0, gw.data_ptr() if weight_grad else 0,
         gb.data_ptr() if bias_grad else 0, rows, inp, out,
     )  # fmt: skip
@@ -938,14 +929,43 @@ def _linear_train_backward(ctx, grad, _gpre):
 _autograd(linear_train_op, "linear_train", _linear_train_backward, _linear_train_setup)
 
 
+def _autocast_dtype() -> Optional[torch.dtype]:
+    """The dtype of an enabled CUDA autocast region, else None."""
+    try:
+        if not torch.is_autocast_enabled("cuda"):
+            return None
+        return torch.get_autocast_dtype("cuda")
+    except (TypeError, AttributeError):  # PyTorch before 2.4: no device argument
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def _autocast_inputs(*ts: Optional[Tensor]) -> tuple:
+    """``ts`` cast as CUDA autocast casts the inputs of ``F.linear``: inside an enabled region,
+    every tensor to the region's dtype (a differentiable cast: the gradient of an f32 parameter
+    comes back in f32). Unchanged outside a region, and where the kernels would not take them
+    anyway (CPU tensors, float64, several devices), which then run PyTorch's own path."""
+    dt = _autocast_dtype()
+    first = ts[0]
+    if dt is None or dt not in _DTYPE_CODES or not isinstance(first, Tensor):
+        return ts
+    for t in ts:
+        if t is not None and not (t.is_cuda and t.device == first.device and t.dtype in _DTYPE_CODES):
+            return ts
+    return tuple(None if t is None else t.to(dt) for t in ts)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
-    """``act(F.linear(x, weight, bias))`` for float32 CUDA tensors: ``x [..., in]``, ``weight
-    [out, in]``, ``bias [out]``; ``activation`` None (identity), ``"relu"``, ``"gelu"``,
-    ``"gelu_tanh"`` or ``"silu"``. Forward: one GEMM with the bias and activation fused into its
-    store; when a gradient will be needed and the activation is GELU or SiLU, the GEMM stores the
-    pre-activation and one element-wise pass applies the activation. Backward: two GEMMs (dx,
-    dW), a column sum (db) and, except for identity, one element-wise pass (dz)."""
+    """``act(F.linear(x, weight, bias))`` for CUDA tensors of one dtype, float32, bfloat16 or
+    float16 (the last two on the tensor cores, accumulated in f32 and rounded once): ``x [...,
+    in]``, ``weight [out, in]``, ``bias [out]``; ``activation`` None (identity), ``"relu"``,
+    ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``. Inside ``torch.autocast("cuda", dtype)`` the
+    tensors are first cast to ``dtype``, as autocast casts those of ``F.linear``. Forward: one
+    GEMM with the bias and activation fused into its store; when a gradient will be needed and
+    the activation is GELU or SiLU, the GEMM stores the pre-activation and one element-wise pass
+    applies the activation. Backward: two GEMMs (dx, dW) reading their transposes in place, a
+    column sum (db, in f32) and, except for identity, one element-wise pass (dz)."""
     act = _linear_act("linear", activation)
+    x, weight, bias = _autocast_inputs(x, weight, bias)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if grad and act in _NEEDS_PRE:
         return _call("linear_train", x, weight, bias, act)[0]

@@ -130,21 +130,17 @@ class FusedBiasAct(torch.nn.Module):
         return _torch_activation(x * self.scale + self.bias, self.activation, a, b)
 
 
-def _autocast() -> bool:
-    try:
-        return torch.is_autocast_enabled("cuda")
-    except TypeError:  # PyTorch before 2.4: no device argument
-        return torch.is_autocast_enabled()
-
-
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` followed by an optional activation, ``act(x @ W^T + b)``: the bias and
     the activation (``None``, ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``) are fused into
     the GEMM's store. Same constructor (``activation`` is keyword-only), parameters and
     ``state_dict`` as ``torch.nn.Linear``.
 
-    The library's GEMM is f32 (CUDA cores, no TF32): float32 CUDA tensors run the kernels;
-    float16, bfloat16, float64, CPU tensors and autocast regions run PyTorch's ``F.linear`` and
+    CUDA tensors of float32 (the f32 GEMM), bfloat16 or float16 (the tensor cores, f32
+    accumulation) run the kernels, forward and backward. Inside ``torch.autocast("cuda", dtype)``
+    the input and parameters are cast to ``dtype`` first, as autocast casts those of
+    ``F.linear`` (the gradients of f32 parameters come back in f32), and the kernels run in that
+    dtype. float64, CPU tensors and mixed dtypes outside autocast run PyTorch's ``F.linear`` and
     activation.
     """
 
@@ -166,8 +162,9 @@ class Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation!r}"
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and _ours(x, self.weight, self.bias) and not _autocast():
-            return _ops.linear(x, self.weight, self.bias, self.activation)
+        ts = _ops._autocast_inputs(x, self.weight, self.bias)
+        if _ours(*ts):
+            return _ops.linear(*ts, self.activation)
         return _torch_activation(F.linear(x, self.weight, self.bias), self.activation, 0.0, 0.0)
 
 

@@ -638,10 +638,10 @@ fn linear_activation(code: u8) -> PyResult<Activation> {
 }
 
 /// The linear layer's operands as matrices: `x [rows, inp]`, `weight [out, inp]`, `bias [out]`
-/// (0: none); all f32 (the GEMM computes in f32 only).
+/// (0: none); all of the call's dtype (f32, or bf16 or f16 on the tensor cores).
 ///
 /// # Safety
-/// As `Call::t`, for f32 tensors of those sizes.
+/// As `Call::t`, for tensors of those sizes and the call's dtype.
 unsafe fn linear_operands(
     c: &Call,
     x: u64,
@@ -654,13 +654,15 @@ unsafe fn linear_operands(
 }
 
 /// `act(x @ weight^T + bias)` into `y` (`[rows, out]`), one GEMM with the bias and activation
-/// fused into its store. f32 only: the Python layer refuses other dtypes.
+/// fused into its store. All tensors of dtype code `dt` (f32; bf16 or f16 accumulate in f32 on
+/// the tensor cores and round once).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn linear_fwd(
     py: Python<'_>,
     device: usize,
     stream: usize,
+    dt: u8,
     act: u8,
     x: u64,
     weight: u64,
@@ -670,9 +672,9 @@ fn linear_fwd(
     inp: usize,
     out: usize,
 ) -> PyResult<()> {
-    let c = Call::new(device, stream, 0)?;
+    let c = Call::new(device, stream, dt)?;
     let act = linear_activation(act)?;
-    // SAFETY: see `unary_fwd_with`; all four are f32 (dtype code 0).
+    // SAFETY: see `unary_fwd_with`; all four are of dtype `dt`.
     let ((x, w, b), mut y) =
         unsafe { (linear_operands(&c, x, weight, bias, (rows, inp, out))?, c.t(y, &[rows, out])?) };
     c.run(py, || ops::gemm_ex(&x, &w, &mut y, Gemm::new(false, true), b.as_ref(), act))
@@ -680,13 +682,14 @@ fn linear_fwd(
 
 /// The training forward: the pre-activation `z = x @ weight^T + bias` into `pre` (one GEMM), then
 /// `y = act(z)` (one element-wise pass), both `[rows, out]`; the backward of GELU and SiLU needs
-/// `z`.
+/// `z`. All of dtype code `dt`, as `linear_fwd`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn linear_train_fwd(
     py: Python<'_>,
     device: usize,
     stream: usize,
+    dt: u8,
     act: u8,
     x: u64,
     weight: u64,
@@ -697,7 +700,7 @@ fn linear_train_fwd(
     inp: usize,
     out: usize,
 ) -> PyResult<()> {
-    let c = Call::new(device, stream, 0)?;
+    let c = Call::new(device, stream, dt)?;
     let act = linear_activation(act)?;
     let s = [rows, out];
     // SAFETY: see `linear_fwd`.
@@ -714,12 +717,14 @@ fn linear_train_fwd(
 /// (the GEMM reads dz transposed in place), `gb [out]` = the column sums of dz, where `dz =
 /// act'(z) * g` is written into `dz` (`[rows, out]`, scratch) from `saved`: the output y for
 /// relu, the pre-activation z for GELU, GELU-tanh and SiLU. Identity uses neither (dz is g).
+/// All of dtype code `dt`, as `linear_fwd`; `gb` sums in f32 and rounds once.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn linear_bwd(
     py: Python<'_>,
     device: usize,
     stream: usize,
+    dt: u8,
     act: u8,
     x: u64,
     weight: u64,
@@ -733,7 +738,7 @@ fn linear_bwd(
     inp: usize,
     out: usize,
 ) -> PyResult<()> {
-    let c = Call::new(device, stream, 0)?;
+    let c = Call::new(device, stream, dt)?;
     let act = linear_activation(act)?;
     let s = [rows, out];
     let identity = matches!(act, Activation::Identity);

@@ -75,8 +75,8 @@ def test_linear_refuses_cpu_and_other_dtypes_and_activations():
     for f in (kt.linear, torch.ops.rustkernels.linear):
         with pytest.raises(ValueError, match="x is on cpu; the kernels run on CUDA tensors only"):
             f(x, w, b, "relu")
-    for dt in (torch.float16, torch.bfloat16):
-        with pytest.raises(TypeError, match="the linear layer computes in float32 only"):
+    for dt in (torch.float16, torch.bfloat16):  # taken (on CUDA), so the device is what is refused
+        with pytest.raises(ValueError, match="x is on cpu; the kernels run on CUDA tensors only"):
             torch.ops.rustkernels.linear(x.to(dt), w.to(dt), b.to(dt), "relu")
     with pytest.raises(ValueError, match="activation 'mish' is not fused"):
         knn.Linear(8, 3, activation="mish")
@@ -102,6 +102,16 @@ def test_linear_fake_implementations_and_autograd_wiring_on_meta_tensors():
     gx, gw, gb = ops.linear_backward(x.detach(), w.detach(), torch.empty(3, 5, 4, device="meta"),
                                      torch.empty(3, 5, 4, device="meta"), "gelu", False, True, True)  # fmt: skip
     assert gx.shape == (0,) and gw.shape == (4, 8) and gb.shape == (4,)
+    # bf16 and f16: the fake implementations keep the dtype, forward and backward.
+    for dt in (torch.bfloat16, torch.float16):
+        xd, wd, bd = (t.detach().to(dt).requires_grad_() for t in (x, w, b))
+        for f in (kt.linear, ops.linear, lambda *a: ops.linear_train(*a)[0]):
+            y = f(xd, wd, bd, "gelu")
+            assert y.dtype == dt and y.shape == (3, 5, 4), dt
+            gs = torch.autograd.grad(y.sum(), [xd, wd, bd])
+            assert [g.dtype for g in gs] == [dt] * 3, dt
+        y, pre = ops.linear_train(xd.detach(), wd.detach(), bd.detach(), "silu")
+        assert y.dtype == pre.dtype == dt and pre.shape == (3, 5, 4)
 
 
 def test_modules_keep_pytorch_state_dicts():

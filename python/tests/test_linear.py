@@ -116,9 +116,9 @@ class Reference:
         self.dbtol = (rows + 4) * U * dz.sum(0) + dzerr.sum(0)
 
 
-def within(what, ours, ref, tol) -> float:
+def within(what, ours, ref, tol, dtype=torch.float32) -> float:
     """Every element of ours within tol of ref (NaN fails); returns the largest error / bound."""
-    assert ours.dtype == torch.float32, f"{what}: dtype {ours.dtype}"
+    assert ours.dtype == dtype, f"{what}: dtype {ours.dtype}, expected {dtype}"
     assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)}, expected {tuple(ref.shape)}"
     err = (ours.double() - ref).abs()
     bad = ~(err <= tol)
@@ -319,12 +319,17 @@ def test_linear_refusals():
     x, w, b = randn(4, 8), randn(3, 8), randn(3)
     for dt in (torch.float16, torch.bfloat16):
         for f in (ops.linear, ops.linear_train, kt.linear):
-            with pytest.raises(TypeError, match=f"x has dtype {dt}; the linear layer computes in float32 only"):
-                f(x.to(dt), w.to(dt), b.to(dt), "relu")
-        with pytest.raises(TypeError, match=f"weight has dtype {dt}"):
+            with pytest.raises(TypeError, match=f"weight has dtype torch.float32 but must be {dt}"):
+                f(x.to(dt), w, b.to(dt), "relu")
+        with pytest.raises(TypeError, match=f"weight has dtype {dt} but must be torch.float32"):
             ops.linear(x, w.to(dt), b, "identity")
         with pytest.raises(TypeError, match=f"bias has dtype {dt}"):
             kt.linear(x, w, b.to(dt))
+        g = randn(4, 3).to(dt)
+        with pytest.raises(TypeError, match=f"grad has dtype {dt} but must be torch.float32"):
+            ops.linear_backward(x, w, x.new_empty(4, 3), g, "relu", True, True, True)
+    with pytest.raises(TypeError, match="x has dtype torch.float64; supported"):
+        ops.linear(x.double(), w.double(), None, "relu")
     with pytest.raises(ValueError, match="x is on cpu"):
         ops.linear(x.cpu(), w.cpu(), b.cpu(), "relu")
     with pytest.raises(ValueError, match="weight is on cpu"):
@@ -339,7 +344,7 @@ def test_linear_refusals():
         kt.linear(x, w, b, "mish")
 
 
-def test_linear_module_uses_the_kernels_for_f32_cuda_and_pytorch_otherwise():
+def test_linear_module_uses_the_kernels_on_cuda_and_pytorch_otherwise():
     import kernels_torch._ops as ops_mod
 
     calls = {"linear_fwd": 0, "linear_train_fwd": 0}
@@ -354,8 +359,6 @@ def test_linear_module_uses_the_kernels_for_f32_cuda_and_pytorch_otherwise():
 
     torch.manual_seed(0)
     m = knn.Linear(32, 16, activation="gelu", device=DEV)
-    ref = torch.nn.Linear(32, 16, device=DEV)
-    ref.load_state_dict(m.state_dict())
     x = randn(8, 32, seed=76)
     for k in calls:
         setattr(ops_mod._native, k, spy(k))
@@ -368,17 +371,17 @@ def test_linear_module_uses_the_kernels_for_f32_cuda_and_pytorch_otherwise():
         r = Reference(x, m.weight, m.bias, "gelu", torch.ones(8, 16, device=DEV))
         within("module y", y, r.y, r.ytol)
         within("module dW", m.weight.grad, r.dw, r.dwtol)
-        # bf16 parameters and input, float64, autocast: PyTorch's F.linear and activation.
-        mb = knn.Linear(32, 16, activation="relu", device=DEV, dtype=torch.bfloat16)
-        xb = x.bfloat16()
-        assert torch.equal(mb(xb), F.relu(F.linear(xb, mb.weight, mb.bias)))
+        # float64 and CPU: PyTorch's F.linear and activation.
         md = knn.Linear(32, 16, activation="silu", device=DEV, dtype=torch.float64)
         assert torch.equal(md(x.double()), F.silu(F.linear(x.double(), md.weight, md.bias)))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ya = m(x)
-            assert ya.dtype == torch.bfloat16
-            assert torch.equal(ya, F.gelu(ref(x)))
+        mc = knn.Linear(32, 16, activation="relu")
+        assert torch.equal(mc(x.cpu()), F.relu(F.linear(x.cpu(), mc.weight, mc.bias)))
         assert calls == {"linear_fwd": 1, "linear_train_fwd": 1}
+        # bf16 parameters and input: the kernels (test_linear_tc_module_and_autocast has more).
+        mb = knn.Linear(32, 16, activation="relu", device=DEV, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert mb(x.bfloat16()).dtype == torch.bfloat16
+        assert calls == {"linear_fwd": 2, "linear_train_fwd": 1}
     finally:
         for k, f in orig.items():
             setattr(ops_mod._native, k, f)
@@ -409,3 +412,250 @@ def test_linear_module_torch_compile_fullgraph():
             assert torch.equal(a, c), f"gradient {i} (x_grad={x_grad})"
     with torch.no_grad():
         assert torch.equal(model(x), cm(x))
+
+
+# --- bfloat16 and float16 (the tensor cores) ---------------------------------------------------
+#
+# Tolerance (the bounds of tests/common/linear_ref.rs, where they are derived): ``u_d`` is the
+# dtype's unit roundoff (2^-8 bf16, 2^-11 f16) and ``tiny_d`` half its smallest denormal; storing an
+# f32 value known to ``e`` in the dtype leaves it known to ``stored(e) = e + u_d (|exact| + e) +
+# tiny_d``. The GEMM's f32 value of a sum of K exact products (bf16 and f16 products are exact in
+# f32) errs by at most ``tc_terms(K) 2^-23 S``, ``tc_terms(K) = 18 ceil(K / 16) + s + 4`` (the
+# tensor cores' truncating additions, 16 products a step; s <= K / 256 split-K slices; the
+# epilogue's roundings). The forward rounds once after the activation (fused, f32) or stores z
+# first (training with GELU, GELU-tanh, SiLU). dz reads the stored z (|act''| <= 0.8 passes its
+# error on) and is stored; dx and dW are GEMMs of the stored dz; db sums dz in f32 in some order
+# (``(rows + 4) 2^-24 sum |dz|``). Every output is rounded once more to the dtype.
+
+TC_DTYPES = [torch.bfloat16, torch.float16]
+_NEEDS_PRE = ("gelu", "gelu_tanh", "silu")  # the activations whose training forward stores z
+TC_UNIT = {torch.bfloat16: (2.0**-8, 2.0**-134), torch.float16: (2.0**-11, 2.0**-25)}
+
+
+def tc_terms(k: int) -> int:
+    """``tc_bound_terms`` of tests/common/reference.rs: the GEMM's error in units of 2^-23 S."""
+    return 18 * -(-k // 16) + max(1, k // 256) + 4
+
+
+def stored(dt, exact, e):
+    u, tiny = TC_UNIT[dt]
+    return e + u * (exact.abs() + e) + tiny
+
+
+class ReferenceTC:
+    """F.linear and the activation in float64 on the (bf16 or f16) inputs, their gradients given
+    dy, and the bounds above. ``stored_pre``: the forward stored z before the activation."""
+
+    def __init__(self, x, w, b, act, dy, stored_pre):
+        dt = x.dtype
+        k, out = w.shape[1], w.shape[0]
+        xd = x.detach().double().requires_grad_()
+        wd = w.detach().double().requires_grad_()
+        bd = b.detach().double().requires_grad_() if b is not None else None
+        z = F.linear(xd, wd, bd)
+        y = REF[act](z)
+        leaves = [xd, wd] + ([bd] if bd is not None else [])
+        grads = torch.autograd.grad(y, leaves, dy.double())
+        self.y, self.dx, self.dw = y.detach(), grads[0], grads[1]
+        self.db = grads[2] if bd is not None else None
+        z = z.detach()
+        x2, z2, dy2 = xd.detach().reshape(-1, k), z.reshape(-1, out), dy.double().reshape(-1, out)
+        rows = x2.shape[0]
+        s = x2.abs() @ wd.detach().abs().T
+        if bd is not None:
+            s = s + bd.detach().abs()
+        tz = tc_terms(k) * ULP * s
+        ez = stored(dt, z2, tz)
+        y2 = self.y.reshape(-1, out)
+        ey = SLOPE[act] * (ez if stored_pre else tz) + act_fwd_tol(act, z2, y2)
+        self.ytol = stored(dt, y2, ey).reshape(self.y.shape)
+        zl = z2.clone().requires_grad_()
+        dz = torch.autograd.grad(REF[act](zl), zl, dy2)[0]
+        if act == "identity":
+            edz = torch.zeros_like(dz)
+        elif act == "relu":
+            edz = torch.where(z2.abs() <= tz + TC_UNIT[dt][1], dy2.abs(), torch.zeros_like(dz))
+        else:
+            edz = stored(dt, dz, 0.8 * dy2.abs() * ez + act_bwd_tol(act, z2, dy2, dz.abs()))
+        da = dz.abs() + edz
+        wa, xa = wd.detach().abs(), x2.abs()
+        self.dxtol = stored(dt, self.dx.reshape(-1, k), edz @ wa + tc_terms(out) * ULP * da @ wa).reshape(x.shape)
+        self.dwtol = stored(dt, self.dw, edz.T @ xa + tc_terms(rows) * ULP * da.T @ xa)
+        self.dbtol = stored(dt, self.db, edz.sum(0) + (rows + 4) * U * da.sum(0)) if bd is not None else None
+
+
+def check_layer_tc(f, x, w, b, act, dy, what, stored_pre):
+    """f(x, w, b) (bf16 or f16) forward and backward against ReferenceTC; the worst error / bound."""
+    dt = x.dtype
+    r = ReferenceTC(x, w, b, act, dy, stored_pre)
+    leaves = [t.detach().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    y = f(*leaves) if b is not None else f(*leaves, None)
+    grads = torch.autograd.grad(y, leaves, dy)
+    worst = within(f"{what} y", y.detach(), r.y, r.ytol, dt)
+    worst = max(worst, within(f"{what} dx", grads[0], r.dx, r.dxtol, dt))
+    worst = max(worst, within(f"{what} dW", grads[1], r.dw, r.dwtol, dt))
+    if b is not None:
+        worst = max(worst, within(f"{what} db", grads[2], r.db, r.dbtol, dt))
+    return worst
+
+
+def tc_inputs(shape, out, dt, bias, seed):
+    k = shape[-1]
+    x = randn(*shape, seed=seed).to(dt)
+    w = randn(out, k, scale=1 / math.sqrt(max(k, 1)), seed=seed + 1).to(dt)
+    b = randn(out, seed=seed + 2).to(dt) if bias else None
+    dy = randn(*shape[:-1], out, seed=seed + 3).to(dt)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dt", TC_DTYPES, ids=["bf16", "f16"])
+def test_linear_tc_against_float64(dt, act, bias):
+    """kt.linear in bf16 and f16: the training path (z stored for GELU, GELU-tanh, SiLU) forward
+    and backward, and the inference path (one fused GEMM) forward, against float64."""
+    worst = 0.0
+    for n, (shape, out) in enumerate(SHAPES):
+        x, w, b, dy = tc_inputs(shape, out, dt, bias, 100 + 10 * n)
+        f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
+        worst = max(worst, check_layer_tc(f, x, w, b, act, dy, f"{dt} {act} {shape} -> {out}", act in _NEEDS_PRE))
+        with torch.no_grad():
+            y = kt.linear(x, w, b, act)
+        r = ReferenceTC(x, w, b, act, dy, stored_pre=False)
+        worst = max(worst, within(f"{dt} {act} {shape} -> {out} inference y", y, r.y, r.ytol, dt))
+    print(f"linear {dt} {act} bias={bias}: largest error {worst:.3f} of the bound")
+
+
+@pytest.mark.parametrize("dt", TC_DTYPES, ids=["bf16", "f16"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+def test_linear_tc_custom_ops_directly(dt, act):
+    """torch.ops.rustkernels.linear (its backward recomputes z, stored in the dtype) and
+    linear_train on bf16 and f16, against float64."""
+    ops = torch.ops.rustkernels
+    x, w, b, dy = tc_inputs((33, 70), 45, dt, True, 150)
+    pre = act in _NEEDS_PRE
+    check_layer_tc(lambda x, w, b: ops.linear(x, w, b, act), x, w, b, act, dy, f"ops.linear {dt} {act}", False)
+    check_layer_tc(
+        lambda x, w, b: ops.linear_train(x, w, b, act)[0], x, w, b, act, dy, f"ops.linear_train {dt} {act}", pre
+    )
+
+
+def test_linear_tc_gradients_against_float64_gradcheck():
+    """Gradcheck in f64-checked form: the f64 reference's gradients are first confirmed by
+    torch.autograd.gradcheck (finite differences in float64), then the bf16 and f16 kernels'
+    gradients must lie within the derived bound of them. Relu is left out of the finite
+    differences (its kink), not out of the bound check."""
+    for dt in TC_DTYPES:
+        for act in ACTS:
+            x, w, b, dy = tc_inputs((6, 9), 5, dt, True, 160)
+            leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+            if act != "relu":
+                assert torch.autograd.gradcheck(lambda x, w, b: REF[act](F.linear(x, w, b)), leaves), f"{dt} {act}"
+            f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
+            check_layer_tc(f, x, w, b, act, dy, f"gradcheck {dt} {act}", act in _NEEDS_PRE)
+
+
+def test_linear_tc_opcheck():
+    ops = torch.ops.rustkernels
+    for dt in TC_DTYPES:
+        x = randn(8, 24, seed=170).to(dt).requires_grad_()
+        w = (randn(16, 24, seed=171) * 0.2).to(dt).requires_grad_()
+        b = randn(16, seed=172).to(dt).requires_grad_()
+        z = F.linear(x, w, b).detach()
+        g = randn(8, 16, seed=173).to(dt)
+        cases = [
+            (ops.linear, (x, w, b, "gelu")),
+            (ops.linear, (x, w, None, "relu")),
+            (ops.linear, (x.detach().view(2, 4, 24), w, b, "identity")),
+            (ops.linear_train, (x, w, b, "silu")),
+            (ops.linear_train, (x, w, b, "relu")),
+            (ops.linear_backward, (x.detach(), w.detach(), z, g, "gelu", True, True, True)),
+            (ops.linear_backward, (x.detach(), w.detach(), F.relu(z), g, "relu", False, True, False)),
+        ]
+        for op, args in cases:
+            torch.library.opcheck(op, args)
+        # The fake (meta) implementations give the dtype and shapes of the real ones.
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fx, fw, fb = (mode.from_tensor(t.detach()) for t in (x, w, b))
+            y, pre = ops.linear_train(fx, fw, fb, "gelu")
+            assert (y.dtype, pre.dtype, tuple(y.shape), tuple(pre.shape)) == (dt, dt, (8, 16), (8, 16))
+
+
+@pytest.mark.parametrize("dt", TC_DTYPES, ids=["bf16", "f16"])
+def test_linear_tc_module_and_autocast(dt):
+    """nn.Linear with parameters of the dtype runs the kernels; with f32 parameters inside
+    torch.autocast("cuda", dt) it casts input and parameters to dt (as autocast casts those of
+    F.linear), runs the kernels, and returns f32 gradients to the f32 parameters: bit for bit
+    the kernels' on the cast tensors, and within the bounds of float64."""
+    import kernels_torch._ops as ops_mod
+
+    calls = {"linear_fwd": 0, "linear_train_fwd": 0, "linear_bwd": 0}
+    orig = {k: getattr(ops_mod._native, k) for k in calls}
+
+    def spy(name):
+        def f(*a):
+            calls[name] += 1
+            return orig[name](*a)
+
+        return f
+
+    torch.manual_seed(2)
+    m = knn.Linear(40, 24, activation="gelu", device=DEV)
+    x = randn(3, 5, 40, seed=180)
+    dy = randn(3, 5, 24, seed=181).to(dt)
+    for k in calls:
+        setattr(ops_mod._native, k, spy(k))
+    try:
+        with torch.autocast("cuda", dtype=dt):
+            ya = m(x)
+        assert ya.dtype == dt
+        assert calls == {"linear_fwd": 0, "linear_train_fwd": 1, "linear_bwd": 0}
+        gw, gb = torch.autograd.grad(ya, [m.weight, m.bias], dy)
+        assert calls["linear_bwd"] == 1
+        assert gw.dtype == torch.float32 and gb.dtype == torch.float32
+        xc, wc, bc = (t.detach().to(dt) for t in (x, m.weight, m.bias))
+        wc.requires_grad_()
+        bc.requires_grad_()
+        y2 = kt.linear(xc, wc, bc, "gelu")
+        gw2, gb2 = torch.autograd.grad(y2, [wc, bc], dy)
+        assert torch.equal(ya, y2) and torch.equal(gw, gw2.float()) and torch.equal(gb, gb2.float())
+        r = ReferenceTC(xc, wc, bc, "gelu", dy, stored_pre=True)
+        within("autocast y", ya.detach(), r.y, r.ytol, dt)
+        within("autocast dW", gw2, r.dw, r.dwtol, dt)
+        within("autocast db", gb2, r.db, r.dbtol, dt)
+        # Inference inside autocast: one fused kernel.
+        with torch.no_grad():
+            with torch.autocast("cuda", dtype=dt):
+                yi = m(x)
+            assert calls["linear_fwd"] == 1
+            assert torch.equal(yi, kt.linear(xc, wc.detach(), bc.detach(), "gelu"))
+        assert calls["linear_fwd"] == 2
+        # Parameters of the dtype, no autocast: the kernels.
+        mb = knn.Linear(40, 24, activation="relu", device=DEV, dtype=dt)
+        with torch.no_grad():
+            yb = mb(xc)
+        assert yb.dtype == dt and calls["linear_fwd"] == 3
+        rb = ReferenceTC(xc, mb.weight, mb.bias, "relu", dy, stored_pre=False)
+        within("module y", yb, rb.y, rb.ytol, dt)
+        # Mixed dtypes outside autocast (f32 parameters, a dt input): PyTorch's, which refuses.
+        with pytest.raises(RuntimeError):
+            m(xc)
+        assert calls["linear_fwd"] == 3
+    finally:
+        for k, f in orig.items():
+            setattr(ops_mod._native, k, f)
+
+
+@pytest.mark.parametrize("dt", TC_DTYPES, ids=["bf16", "f16"])
+def test_linear_tc_empty_shapes(dt):
+    """No rows: an empty output and zero weight and bias gradients; in_features = 0: act(bias)."""
+    w = randn(8, 16, seed=190).to(dt).requires_grad_()
+    b = randn(8, seed=191).to(dt).requires_grad_()
+    x = torch.empty(0, 16, device=DEV, dtype=dt, requires_grad=True)
+    y = kt.linear(x, w, b, "silu")
+    assert y.shape == (0, 8) and y.dtype == dt
+    gx, gw, gb = torch.autograd.grad(y.sum(), [x, w, b])
+    assert gx.shape == (0, 16) and torch.equal(gw, torch.zeros_like(gw)) and torch.equal(gb, torch.zeros_like(gb))
+    b0 = randn(3, seed=192).to(dt)
+    y0 = kt.linear(torch.empty(5, 0, device=DEV, dtype=dt), torch.empty(3, 0, device=DEV, dtype=dt), b0, "relu")
+    assert torch.equal(y0, F.relu(b0).expand(5, 3))
