@@ -183,8 +183,12 @@ fn check(dev: &Device, cs: &Case, rows: Option<&[usize]>) -> Result<(), String> 
         }
     }
     let rel = if ref2 > 0.0 { (err2 / ref2).sqrt() } else { 0.0 };
-    // The worst-case bound in Frobenius form, for a report-only sanity check.
-    if cs.k > 0 && rel > cs.bound_terms(splits) * U {
+    // The worst-case bound in Frobenius form, as a second check. It bounds the product's error
+    // alone: an activation other than relu adds its own rounding (the per-element check above
+    // allows for it), which for a few elements near a zero of GELU or SiLU is larger relative to
+    // the output than K u (1x1x4 under GELU: 1.1e-6).
+    let plain = matches!(cs.act, Activation::Identity | Activation::Relu);
+    if cs.k > 0 && plain && rel > cs.bound_terms(splits) * U {
         return Err(format!("{}x{}x{}: relative Frobenius error {rel:e} beyond K u", cs.m, cs.n, cs.k));
     }
     Ok(())
