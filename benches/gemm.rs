@@ -9,7 +9,7 @@
 //! The `bf16` and `f16` cases run the tensor-core GEMM (`host/ops/gemm_tc.rs`) against cuBLAS's
 //! `cublasGemmEx` with the same input and output dtype and f32 accumulation
 //! (`CUBLAS_COMPUTE_32F`, what PyTorch's `F.linear` in bf16 runs), at the shapes of a transformer's
-//! layers (4096^3, 8192^3, 2048^3, 8192x11008x4096, 8192x4096x11008, and the skinny
+//! layers (4096^3, 8192^3, 2048^3, 8192x11008x4096, 8192x4096x11008, 8192x128256x4096, the skinny
 //! 128x4096x4096 and 16x4096x4096, the latter bound by reading W), plus the fused
 //! `gelu(x @ W^T + b)` against cuBLAS's plain product.
 //!
@@ -100,6 +100,7 @@ fn cases() -> Vec<Case> {
             add_h(m, n, k, false, false, false);
             add_h(m, n, k, false, true, false);
         }
+        add_h(8192, 128256, 4096, false, true, false);
         add_h(128, 4096, 4096, false, true, false);
         add_h(16, 4096, 4096, false, true, false);
         add_h(4096, 4096, 4096, true, false, false);

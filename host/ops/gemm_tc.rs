@@ -219,7 +219,8 @@ pub(crate) fn gemm_tc_dims(
 /// workspace and summed in order by the reduction of the mma.sync path.
 fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: u32) -> Option<Result<()>> {
     let (batch, m, n, k) = problem;
-    if m.max(n).max(k) > i32::MAX as u64 {
+    // K = 0 (D is the epilogue of zeros) has no tensor to map.
+    if k == 0 || m.max(n).max(k) > i32::MAX as u64 {
         return None;
     }
     let a = gemm_wgmma::Operand { ptr: ops.a.ptr, ld: ops.a.ld, stride: ops.a.stride, trans: g.trans_a };

@@ -86,7 +86,9 @@ fn shapes(op: &'static str, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Re
             message: format!("bias must have shape [{out}], got {:?}", b.shape()),
         });
     }
-    Ok((x.numel() / inp.max(1), inp, out))
+    // The leading dimensions' product, not numel / in: with in = 0 the rows still count.
+    let rows = x.shape()[..x.shape().len() - 1].iter().product();
+    Ok((rows, inp, out))
 }
 
 /// `x @ W^T + b` (then `act`, fused when it can be) into a new `[..., out]` tensor.

@@ -575,8 +575,9 @@ def test_linear_tc_opcheck():
         for op, args in cases:
             torch.library.opcheck(op, args)
         # The fake (meta) implementations give the dtype and shapes of the real ones.
+        real = [t.detach() for t in (x, w, b)]  # detached outside the mode: a real tensor's op
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fx, fw, fb = (mode.from_tensor(t.detach()) for t in (x, w, b))
+            fx, fw, fb = (mode.from_tensor(t) for t in real)
             y, pre = ops.linear_train(fx, fw, fb, "gelu")
             assert (y.dtype, pre.dtype, tuple(y.shape), tuple(pre.shape)) == (dt, dt, (8, 16), (8, 16))
 
