@@ -7,7 +7,7 @@ pub mod cross_entropy;
 pub mod elementwise;
 pub mod gemm;
 pub mod gemm_tc;
-pub mod gemm_wgmma;
+pub(crate) mod gemm_wgmma;
 pub mod init;
 pub mod linear;
 pub mod mathprobe;

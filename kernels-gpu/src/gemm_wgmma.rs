@@ -2,7 +2,7 @@
 //! `D = epilogue(op(A) @ op(B))` with f32 accumulation, D in f32, bf16 or f16
 //! ([`crate::gemm_epilogue`]).
 //!
-//! The design (docs/design.md, "Tensor-core GEMM"):
+//! The design (docs/design.md, "bf16 and f16 on Hopper"):
 //! - A block of 384 threads owns a 128 x 256 tile of D at a time: warpgroup 0 is the producer,
 //!   one thread of which streams 64-deep K slices of A and B into a ring of [`STAGES`]
 //!   shared-memory stages with the copy engine (TMA, 128-byte swizzle), each stage guarded by a
@@ -11,15 +11,19 @@
 //!   256 columns with `wgmma.m64n256k16` straight from shared memory, holding 128 accumulators
 //!   a thread, and keeps one group of products in flight while it waits for the next stage.
 //! - The producer hands its registers to the consumers (`setmaxnreg`: 40 against 232).
-//! - Persistent: the grid is at most one block per SM, and block `b` takes tiles `b`, `b + grid`,
-//!   ... in an order that walks [`GROUP_M`] tile rows together, so that the tiles in flight share
-//!   their A and B slices in L2. While the consumers store one tile, the producer already loads
-//!   the next one's stages.
+//! - Clusters of [`CLUSTER`] blocks take vertically adjacent tiles and share B's slice: each
+//!   block loads half of it into both (TMA multicast); a stage is refilled once the consumers of
+//!   both blocks released it.
+//! - Persistent: as many clusters as fit at once, cluster `c` taking cluster tiles `c`,
+//!   `c + clusters`, ... in an order that walks [`GROUP_M`] tile rows together, so that the tiles
+//!   in flight share their A and B slices in L2. While the consumers store one tile, the producer
+//!   already loads the next one's stages. Few tiles and a long K: split-K ([`SPLIT_K`]).
 //! - Layouts: A is read K-major (stored `m x k`) or M-major (stored `k x m`, `trans_a`), B
 //!   K-major (stored `n x k`, `trans_b`) or N-major (stored `k x n`); both are what `wgmma`
 //!   reads directly, so every transpose runs at the same speed. Out-of-range rows and K columns
-//!   of a tile are zeros from the copy engine, so any `m`, `n`, `k` works; what the copy engine
-//!   needs is 16-byte aligned rows (the host sends other operands to `gemm_tc`).
+//!   of a tile are zeros from the copy engine, so any `m`, `n` and `k >= 1` work; what the copy
+//!   engine needs is 16-byte aligned rows (the host sends other operands, and `k = 0`, to
+//!   `gemm_tc`).
 
 use crate::gemm_epilogue::Epilogue;
 
@@ -64,8 +68,9 @@ pub const SPLIT_K: u32 = 4;
 pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32, u32);
 
 /// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles (here the tiles of a
-/// cluster, `CLUSTER * BM x BN`): `(batch, tile row, tile column)`. Within a batch, groups of [`GROUP_M`] tile rows are walked column by column,
-/// so consecutive tiles share B's columns and a group's A rows stay in L2.
+/// cluster, `CLUSTER * BM x BN`): `(batch, tile row, tile column)`. Within a batch, groups of
+/// [`GROUP_M`] tile rows are walked column by column, so consecutive tiles share B's columns and
+/// a group's A rows stay in L2.
 pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) {
     let per_batch = tiles_m * tiles_n;
     let b = t / per_batch;
