@@ -449,8 +449,12 @@ mod tests {
     #[test]
     fn pair_stores_need_even_rows_and_aligned_bases() {
         let d = |ptr, ld, stride| Mat { ptr, ld, stride };
-        assert_eq!(pair_flag(d(1 << 20, 8, 64), 0, 2), PAIR);
-        assert_eq!(pair_flag(d(1 << 20, 8, 0), 1 << 21, 4), PAIR);
+        // Rows and bases on 16 bytes: 16-byte stores too.
+        assert_eq!(pair_flag(d(1 << 20, 8, 64), 0, 2), PAIR | QUAD);
+        assert_eq!(pair_flag(d(1 << 20, 8, 0), 1 << 21, 4), PAIR | QUAD);
+        // Pairs, not 16 bytes: rows of 12 bytes, a base on 4.
+        assert_eq!(pair_flag(d(1 << 20, 6, 0), 0, 2), PAIR);
+        assert_eq!(pair_flag(d((1 << 20) + 4, 8, 0), 0, 2), PAIR);
         assert_eq!(pair_flag(d(1 << 20, 7, 0), 0, 2), 0);
         assert_eq!(pair_flag(d(1 << 20, 8, 21), 0, 2), 0);
         assert_eq!(pair_flag(d((1 << 20) + 2, 8, 0), 0, 2), 0);
