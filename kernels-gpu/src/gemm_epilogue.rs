@@ -13,7 +13,8 @@
 use crate::dtype::Elem;
 
 /// What a tensor-core GEMM does with its f32 accumulators as it stores D (= C):
-/// D = act(alpha * acc + beta * C + bias_col[col] + bias_row[row]) + residual[row, col], cast to D's dtype.
+/// `D = act(alpha * acc + beta * C + bias_col[col] + bias_row[row]) + residual[row, col]`, cast to
+/// D's dtype.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Epilogue {
@@ -211,7 +212,7 @@ pub unsafe fn store_pair<O: OutType>(e: &Epilogue, batch: u32, row: u32, col: u3
 }
 
 /// Whether the epilogue is a plain store: `alpha = 1`, no C, bias, activation or residual, and
-/// pairs aligned ([`store_pair_plain`] applies).
+/// pairs aligned (`store_pair_plain` applies).
 #[inline(always)]
 pub fn is_plain(e: &Epilogue) -> bool {
     e.alpha == 1.0
