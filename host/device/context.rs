@@ -67,7 +67,8 @@ impl Device {
         self.0.compute_capability
     }
     /// The architecture of the PTX this device loaded: [`ptx_arch_for`] its compute capability,
-    /// or an older one if the driver refused that (too old for its PTX ISA version).
+    /// or an older one if the driver refused that (too old for its PTX ISA version) or the
+    /// environment variable `KERNELS_PTX_ARCH` names it.
     pub fn ptx_arch(&self) -> &'static str {
         self.0.ptx_arch
     }
@@ -238,7 +239,25 @@ impl Inner {
         // ISA version: sm_90's is 8.1, CUDA 12.1), the next older one, down to sm_80. The
         // version is the same in every module of a PTX, so its smallest module decides, and
         // stays loaded.
-        let newest = PTX_ARCHES.iter().position(|&a| a == ptx_arch_for(compute_capability)).unwrap_or(0);
+        let mut newest = PTX_ARCHES.iter().position(|&a| a == ptx_arch_for(compute_capability)).unwrap_or(0);
+        // KERNELS_PTX_ARCH=sm_80 runs the portable kernels on a newer GPU (how the tests check
+        // the Ampere kernels on an H100).
+        if let Some(forced) = std::env::var("KERNELS_PTX_ARCH").ok().filter(|v| !v.is_empty()) {
+            match PTX_ARCHES.iter().position(|&a| a == forced) {
+                Some(i) if i <= newest => newest = i,
+                _ => {
+                    return Err(Error::Driver {
+                        op: "choosing the PTX (KERNELS_PTX_ARCH)",
+                        message: format!(
+                            "`{forced}` is not one of the embedded {:?} that compute capability {}.{} runs",
+                            &PTX_ARCHES[..=newest],
+                            compute_capability.0,
+                            compute_capability.1
+                        ),
+                    });
+                }
+            }
+        }
         let mut loaded = None;
         let mut refused = Vec::new();
         for &arch in PTX_ARCHES[..=newest].iter().rev() {

@@ -85,6 +85,7 @@ pub const fn tile_coords(t: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32, u32) 
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
 mod device {
     use super::*;
+    use crate::gemm::{EPI_GELU, EPI_GELU_TANH, EPI_IDENTITY, EPI_RELU, EPI_SILU};
     use crate::gemm_epilogue::{OutType, QUAD, is_plain, store_pair, store_pair_plain};
     use crate::prim::*;
 
@@ -114,29 +115,57 @@ mod device {
         }
     }
 
-    /// Stores a consumer thread's accumulators (as [`store_tile`]) where the epilogue is a plain
-    /// store to a 16-bit D with 16-byte aligned rows and the tile lies inside D's columns: the
-    /// four threads of a quad exchange their pairs (a 4 x 4 transpose of 32-bit words by
-    /// shuffles) so that each stores 8 consecutive columns, 16 bytes, where it held four pairs
-    /// 16 bytes apart. A warp's store then covers whole 32-byte sectors, a quarter of the
-    /// instructions of the pair stores.
+    /// Stores a consumer thread's accumulators (as [`store_tile`]) where the epilogue is
+    /// `act(alpha * acc + bias_col[col])` ([`is_simple`]) into a 16-bit D with 16-byte aligned
+    /// rows and the tile lies inside D's columns, in straight-line code (the linear layer's
+    /// epilogue then costs little more than the plain store). The four threads of a quad
+    /// exchange their pairs (a 4 x 4 transpose of 32-bit words by shuffles) so that each stores 8
+    /// consecutive columns, 16 bytes, where it held four pairs 16 bytes apart: a warp's store
+    /// covers whole 32-byte sectors, a quarter of the instructions of the pair stores. `ACT` is
+    /// the activation code, so that each kernel holds one copy of this per activation, not one
+    /// with all of them per element.
     ///
     /// # Safety
-    /// As [`store_tile`]; the whole warp calls it (shuffles).
+    /// As [`store_tile`]; the whole warp calls it (shuffles); [`is_simple`] holds.
     #[inline(always)]
-    unsafe fn store_tile_quad<O: OutType>(e: &Epilogue, b: u32, row: u32, col_tile: u32, acc: &[f32; 128]) {
+    unsafe fn store_tile_quad<O: OutType, const ACT: u32>(
+        e: &Epilogue,
+        b: u32,
+        row: u32,
+        col_tile: u32,
+        acc: &[f32; 128],
+    ) {
         let t = thread_idx_x() % 4;
         let pack = |lo: f32, hi: f32| {
             if O::DTYPE == crate::DType::BF16 { f32x2_to_bf16x2(lo, hi) } else { f32x2_to_f16x2(lo, hi) }
         };
-        unroll!(H: usize; 0 1 => {
-            let r = row + 8 * H as u32;
-            unroll!(G: usize; 0 1 2 3 4 5 6 7 => {
+        // As `gemm::epilogue` with beta = 0, so both paths give the same bits.
+        let value = |a: f32, bias: f32| {
+            let v = if e.alpha == 0.0 { 0.0 } else { e.alpha * a };
+            crate::gemm::activate(ACT, v + bias)
+        };
+        unroll!(G: usize; 0 1 2 3 4 5 6 7 => {
+            // This thread's columns of the group: 8 (4 G + j) + 2 t and the next, j < 4.
+            // SAFETY: all-zero bits are 0.0 (a repeat expression would be a loop).
+            let mut bias: [f32; 8] = unsafe { core::mem::zeroed() };
+            if !e.bias_col.is_null() {
+                unroll!(J: usize; 0 1 2 3 => {
+                    let c = (col_tile + 8 * (4 * G as u32 + J as u32) + 2 * t) as usize;
+                    let size = O::DTYPE.size();
+                    // SAFETY: the tile lies inside D's columns, and the bias has n elements.
+                    unsafe {
+                        bias[2 * J] = O::load1(e.bias_col.add(c * size));
+                        bias[2 * J + 1] = O::load1(e.bias_col.add((c + 1) * size));
+                    }
+                });
+            }
+            unroll!(H: usize; 0 1 => {
+                let r = row + 8 * H as u32;
                 // w[j]: this thread's pair of columns 8 (4 G + j) + 2 t of row r.
                 let mut w = [0u32; 4];
                 unroll!(J: usize; 0 1 2 3 => {
                     let i = 4 * (4 * G + J) + 2 * H;
-                    w[J] = pack(acc[i], acc[i + 1]);
+                    w[J] = pack(value(acc[i], bias[2 * J]), value(acc[i + 1], bias[2 * J + 1]));
                 });
                 // Transpose within the quad: afterwards w[j] is thread j's pair of columns
                 // 8 (4 G + t) + 2 j.
@@ -158,6 +187,12 @@ mod device {
                 }
             });
         });
+    }
+
+    /// Whether [`store_tile_quad`] computes the epilogue: no C, row bias or residual.
+    #[inline(always)]
+    fn is_simple(e: &Epilogue) -> bool {
+        e.beta == 0.0 && e.bias_row.is_null() && e.residual.is_null()
     }
 
     /// The kernel. `A_MN`/`B_MN` (0 or 1): A is M-major (`trans_a`), B is N-major (`!trans_b`).
@@ -349,8 +384,14 @@ mod device {
             let quad = O::DTYPE != crate::DType::F32 && e.flags & QUAD != 0 && (tn + 1) * BN <= e.n;
             // SAFETY: the stores check rows and columns against the epilogue's m and n.
             unsafe {
-                if quad && is_plain(e) {
-                    store_tile_quad::<O>(e, b, row, tn * BN, &acc);
+                if quad && is_simple(e) && e.act <= EPI_SILU {
+                    match e.act {
+                        EPI_RELU => store_tile_quad::<O, EPI_RELU>(e, b, row, tn * BN, &acc),
+                        EPI_GELU => store_tile_quad::<O, EPI_GELU>(e, b, row, tn * BN, &acc),
+                        EPI_GELU_TANH => store_tile_quad::<O, EPI_GELU_TANH>(e, b, row, tn * BN, &acc),
+                        EPI_SILU => store_tile_quad::<O, EPI_SILU>(e, b, row, tn * BN, &acc),
+                        _ => store_tile_quad::<O, EPI_IDENTITY>(e, b, row, tn * BN, &acc),
+                    }
                 } else if is_plain(e) {
                     unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
                         store_pair_plain::<O>(e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);

@@ -10,7 +10,8 @@
 #     (python/), its pytest suite (run-python-tests.sh --tests-only), counted with the others.
 #     --jobs N runs up to N of these (the binaries and pytest) at once on the one GPU, each
 #     one's output printed whole when all have ended (default 3: on the H100 the same 546 /
-#     0 / 1 in 81-90 s as one after another in 290 s; --jobs 1 prints each as it runs);
+#     0 / 1 in 81-90 s as one after another in 290 s; --jobs 1 prints each as it runs); the
+#     tensor-core GEMM tests run a second time with KERNELS_PTX_ARCH=sm_80 (the Ampere kernels);
 #  2. unless --tests-only: every example (bin/examples/*); every bench NAME (bin/benches/NAME
 #     --bench, with KERNELS_BENCH_JSON=RES/bench-NAME.json); the bundle's torch_NAME.py for each
 #     (to RES/torch-NAME.json);
@@ -124,6 +125,15 @@ if [ "$SKIP_TESTS" -eq 0 ]; then
   done
 fi
 NBIN=${#BINS[@]}
+# Binaries run a second time on the portable PTX (KERNELS_PTX_ARCH=sm_80): on an H100 the
+# tensor-core GEMMs then run their Ampere kernels (mma.sync) instead of the Hopper ones.
+SM80_RERUN=(gemm_tc linear_tc)
+SM80=()
+for i in $(seq 0 $((NBIN - 1))); do
+  for r in "${SM80_RERUN[@]}"; do
+    [ "$(basename "${BINS[$i]}")" = "$r" ] && SM80+=("$i")
+  done
+done
 PYTESTS=0
 [ "$SKIP_TESTS" -eq 0 ] && [ -f "$B/run-python-tests.sh" ] && PYTESTS=1
 if [ "$JOBS" -eq 1 ]; then
@@ -133,6 +143,14 @@ if [ "$JOBS" -eq 1 ]; then
     : > "$TMP"
     start=$SECONDS
     "$t" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee -a "$LOG" "$TMP"
+    tally_bin "$name" "$TMP" "${PIPESTATUS[0]}" $((SECONDS - start))
+  done
+  for i in ${SM80[@]+"${SM80[@]}"}; do
+    name="$(basename "${BINS[$i]}") (sm_80 PTX)"
+    echo "== test $name" | tee -a "$LOG"
+    : > "$TMP"
+    start=$SECONDS
+    KERNELS_PTX_ARCH=sm_80 "${BINS[$i]}" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee -a "$LOG" "$TMP"
     tally_bin "$name" "$TMP" "${PIPESTATUS[0]}" $((SECONDS - start))
   done
   if [ "$PYTESTS" -eq 1 ]; then
@@ -160,6 +178,7 @@ else
   IDS=()
   [ "$PYTESTS" -eq 0 ] || IDS+=(p)
   for i in $(seq 0 $((NBIN - 1))); do IDS+=("$i"); done
+  for i in ${SM80[@]+"${SM80[@]}"}; do IDS+=("s$i"); done
   for id in ${IDS[@]+"${IDS[@]}"}; do
     if [ "$running" -ge "$JOBS" ]; then
       wait -n
@@ -167,6 +186,8 @@ else
     fi
     if [ "$id" = p ]; then
       run_job p bash "$B/run-python-tests.sh" --tests-only &
+    elif [ "${id#s}" != "$id" ]; then
+      run_job "$id" env KERNELS_PTX_ARCH=sm_80 "${BINS[${id#s}]}" ${ARGS[@]+"${ARGS[@]}"} &
     else
       run_job "$id" "${BINS[$id]}" ${ARGS[@]+"${ARGS[@]}"} &
     fi
@@ -179,6 +200,13 @@ else
     tee -a "$LOG" < "$JD/$i.out"
     read -r rc secs < "$JD/$i.rc" || { rc=1; secs=0; }
     tally_bin "$name" "$JD/$i.out" "$rc" "$secs"
+  done
+  for i in ${SM80[@]+"${SM80[@]}"}; do
+    name="$(basename "${BINS[$i]}") (sm_80 PTX)"
+    echo "== test $name" | tee -a "$LOG"
+    tee -a "$LOG" < "$JD/s$i.out"
+    read -r rc secs < "$JD/s$i.rc" || { rc=1; secs=0; }
+    tally_bin "$name" "$JD/s$i.out" "$rc" "$secs"
   done
   if [ "$PYTESTS" -eq 1 ]; then
     echo "== python tests" | tee -a "$LOG"

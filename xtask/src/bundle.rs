@@ -508,6 +508,20 @@ echo "test result: ok. 3 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out
             assert_eq!((code, last.as_str()), (Some(1), "10 passed, 3 failed, 3 skipped"), "{all}");
             assert!(all.contains("python (pytest): 4 passed, 0 failed, 2 skipped"), "{all}");
         }
+
+        // gemm_tc runs twice, the second time on the sm_80 PTX.
+        let _ = std::fs::remove_file(b.join("run-python-tests.sh"));
+        fake_bin(
+            &tests,
+            "gemm_tc",
+            r#"[ "${KERNELS_PTX_ARCH:-}" = sm_80 ] && n=7 || n=5
+echo "test result: ok. $n passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.01s""#,
+        );
+        for (out, jobs) in [("out9", "1"), ("out10", "3")] {
+            let (code, last, all) = run(&b.join(out), &["--tests-only", "--jobs", jobs]);
+            assert_eq!((code, last.as_str()), (Some(1), "18 passed, 3 failed, 1 skipped"), "{all}");
+            assert!(all.contains("gemm_tc: 5 passed") && all.contains("gemm_tc (sm_80 PTX): 7 passed"), "{all}");
+        }
         let _ = std::fs::remove_dir_all(&b);
     }
 
