@@ -5,7 +5,8 @@
 //! `relu(F.linear(x, W, b))` is cuBLAS plus one kernel; its figures against ours are in
 //! docs/worklog.md, 2026-11-24b-gemm). The `3xtf32` cases run the same shapes with
 //! `Precision::Tf32x3` (still against cuBLAS's FP32 product), and `accuracy` prints the relative
-//! error of both precisions, cuBLAS FP32 and cuBLAS TF32 against an f64 product on the same data.
+//! error of both precisions, cuBLAS FP32 and cuBLAS TF32 against an f64 product on the same data
+//! (and of the bf16/f16 products, ours and `cublasGemmEx`, with f32 and 16-bit D).
 //! The `bf16` and `f16` cases run the tensor-core GEMM (`host/ops/gemm_tc.rs`) against cuBLAS's
 //! `cublasGemmEx` with the same input and output dtype and f32 accumulation
 //! (`CUBLAS_COMPUTE_32F`, what PyTorch's `F.linear` in bf16 runs), at the shapes of a transformer's
@@ -155,15 +156,33 @@ unsafe fn cublas_sgemm(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: 
 /// # Safety
 /// As [`cublas_sgemm`].
 unsafe fn cublas_gemm_half(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+    // SAFETY: per the function contract.
+    unsafe { cublas_gemm_half_into(h, cs, a, b, c, cs.dtype) }
+}
+
+/// [`cublas_gemm_half`] with C of dtype `out` (the inputs' dtype or f32).
+///
+/// # Safety
+/// As [`cublas_sgemm`].
+unsafe fn cublas_gemm_half_into(
+    h: cublas_sys::cublasHandle_t,
+    cs: &Case,
+    a: &Tensor,
+    b: &Tensor,
+    c: &mut Tensor,
+    out: DType,
+) {
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     let (m, n, k) = (cs.m as i32, cs.n as i32, cs.k as i32);
     let lda = if cs.g.trans_a { m } else { k };
     let ldb = if cs.g.trans_b { k } else { n };
     let (alpha, beta) = (1.0f32, 0.0f32);
-    let ty = match cs.dtype {
+    let cuda_type = |d: DType| match d {
         DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+        DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
         _ => cublas_sys::cudaDataType::CUDA_R_16BF,
     };
+    let ty = cuda_type(cs.dtype);
     // SAFETY: per the function contract; alpha and beta are f32, as CUBLAS_COMPUTE_32F wants.
     unsafe {
         cublas::gemm_ex(
@@ -182,7 +201,7 @@ unsafe fn cublas_gemm_half(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor,
             lda,
             (&beta as *const f32).cast(),
             c.device_ptr() as *mut std::ffi::c_void,
-            ty,
+            cuda_type(out),
             n,
             cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -335,6 +354,66 @@ fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
     Ok(())
 }
 
+/// The accuracy of the bf16/f16 products: relative Frobenius error against the f64 product of
+/// the same (rounded) inputs, ours and cuBLAS's `cublasGemmEx`, each with f32 and with 16-bit
+/// output (the 16-bit rounding of D, 2^-9 or 2^-12 relative, then dominates).
+fn accuracy_tc(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
+    println!("\naccuracy (bf16/f16 inputs): relative Frobenius error against f64 of the same inputs");
+    println!(
+        "{:<40} {:>12} {:>12} {:>12} {:>12}",
+        "inputs, data, m x n x k", "ours f32 D", "cuBLAS f32", "ours 16-bit", "cuBLAS 16b"
+    );
+    let (m, n) = (256usize, 256usize);
+    for dt in [DType::BF16, DType::F16] {
+        for k in [4096usize, 16384] {
+            for uniform in [false, true] {
+                let make = |r: usize, c: usize, seed: u64| {
+                    if uniform {
+                        Tensor::rand_uniform(dev, &[r, c], dt, 0.0, 1.0, seed)
+                    } else {
+                        Tensor::rand_normal(dev, &[r, c], dt, 0.0, 1.0, seed)
+                    }
+                };
+                let (a, b) = (make(m, k, 21)?, make(k, n, 22)?);
+                let (ha, hb) = (a.to_dtype(DType::F32)?.to_vec::<f32>()?, b.to_dtype(DType::F32)?.to_vec::<f32>()?);
+                let mut want = vec![0.0f64; m * n];
+                for i in 0..m {
+                    for kk in 0..k {
+                        let x = ha[i * k + kk] as f64;
+                        let row = &hb[kk * n..(kk + 1) * n];
+                        for (w, &y) in want[i * n..(i + 1) * n].iter_mut().zip(row) {
+                            *w += x * y as f64;
+                        }
+                    }
+                }
+                let err = |c: &Tensor| -> Result<f64> {
+                    let got = c.to_dtype(DType::F32)?.to_vec::<f32>()?;
+                    let (e2, r2) = got
+                        .iter()
+                        .zip(&want)
+                        .fold((0.0f64, 0.0f64), |(e2, r2), (&g, &w)| (e2 + (g as f64 - w).powi(2), r2 + w * w));
+                    Ok((e2 / r2).sqrt())
+                };
+                let cs = Case { name: String::new(), dtype: dt, g: Gemm::default(), m, n, k, linear: false };
+                let mut row = Vec::new();
+                for out in [DType::F32, dt] {
+                    let mut c = Tensor::empty(dev, &[m, n], out)?;
+                    ops::gemm(&a, &b, &mut c, Gemm::default())?;
+                    row.push(err(&c)?);
+                    let mut c = Tensor::empty(dev, &[m, n], out)?;
+                    // SAFETY: the handle is live; the tensors outlive the product (err synchronises).
+                    unsafe { cublas_gemm_half_into(h, &cs, &a, &b, &mut c, out) };
+                    row.push(err(&c)?);
+                }
+                let data =
+                    format!("{}, {}, {m} x {n} x {k}", dt.suffix(), if uniform { "uniform [0,1)" } else { "normal" });
+                println!("{data:<40} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e}", row[0], row[1], row[2], row[3]);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let dev = match Device::cuda(0) {
@@ -379,6 +458,7 @@ fn main() {
     }
     if filter.is_empty() || filter.iter().any(|f| f == "accuracy") {
         accuracy(&dev, h).unwrap_or_else(|e| panic!("accuracy: {e}"));
+        accuracy_tc(&dev, h).unwrap_or_else(|e| panic!("accuracy_tc: {e}"));
     }
     if let Ok(path) = std::env::var("KERNELS_BENCH_JSON") {
         std::fs::write(&path, format!("[\n{}\n]\n", json.join(",\n"))).expect("write the JSON");
