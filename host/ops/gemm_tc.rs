@@ -216,7 +216,9 @@ pub(crate) fn gemm_tc_dims(
 /// engine can read ([`gemm_wgmma::supports`]). A single product with fewer 256 x 256 cluster
 /// tiles than the GPU has clusters of two SMs, and a long enough K, is split along K into as
 /// many slices as fill the GPU (each at least [`WGMMA_MIN_SLICE`] long), computed into an f32
-/// workspace and summed in order by the reduction of the mma.sync path.
+/// workspace and summed in order by the reduction of the mma.sync path. A single product of at
+/// most 128 rows (where a cluster's second tile would lie below D) is split so in any case, the
+/// two blocks of a cluster on one tile, each with its own K slice.
 fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: u32) -> Option<Result<()>> {
     let (batch, m, n, k) = problem;
     // K = 0 (D is the epilogue of zeros) has no tensor to map.
@@ -228,12 +230,18 @@ fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: 
     if !gemm_wgmma::supports(dev, ops.input, ops.output, &a, &b) {
         return None;
     }
-    let cluster_tiles = batch.saturating_mul(m.div_ceil(256)).saturating_mul(n.div_ceil(256));
+    let tiles_n = n.div_ceil(256);
+    let cluster_tiles = batch.saturating_mul(m.div_ceil(256)).saturating_mul(tiles_n);
     let clusters = dev.sm_count() as u64 / 2;
+    if batch == 1 && m <= 128 && k >= 2 * WGMMA_MIN_PAIRED {
+        // One tile row: the blocks of a cluster share each tile, in K slices.
+        let pairs = (clusters / tiles_n).min(k / (2 * WGMMA_MIN_SLICE)).max(1);
+        return Some(wgmma_split_k(dev, (m, n, k), (pairs, true), ops, (&a, &b), g, act));
+    }
     let splits =
         if batch == 1 && cluster_tiles < clusters { (clusters / cluster_tiles).min(k / WGMMA_MIN_SLICE) } else { 1 };
     if splits > 1 {
-        return Some(wgmma_split_k(dev, (m, n, k), splits, ops, (&a, &b), g, act));
+        return Some(wgmma_split_k(dev, (m, n, k), (splits, false), ops, (&a, &b), g, act));
     }
     let epi = epilogue_for(ops, ops.d, (0, 0), (m, n), g, act);
     Some(gemm_wgmma::launch("gemm", dev, (ops.input, ops.output), problem, &a, &b, epi, None))
@@ -242,26 +250,33 @@ fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: 
 /// The shortest K slice of the Hopper kernels' split: 8 stages.
 const WGMMA_MIN_SLICE: u64 = 512;
 
-/// [`try_fast_path`]'s split-K: `splits` (about) equal slices of K, a multiple of the stage.
+/// The shortest K slice where a product of one tile row pairs the blocks of a cluster: 2 stages.
+const WGMMA_MIN_PAIRED: u64 = 128;
+
+/// [`try_fast_path`]'s split-K: `splits` (about) equal slices of K, a multiple of the stage;
+/// `paired`: `2 * splits` of them, each cluster's two blocks on one tile (at most 128 rows).
 fn wgmma_split_k(
     dev: &Device,
     (m, n, k): (u64, u64, u64),
-    splits: u64,
+    (splits, paired): (u64, bool),
     ops: &Operands,
     (a, b): (&gemm_wgmma::Operand, &gemm_wgmma::Operand),
     g: &Gemm,
     act: u32,
 ) -> Result<()> {
     let op = "gemm";
-    let chunk = k.div_ceil(splits).div_ceil(64) * 64;
-    let splits = k.div_ceil(chunk);
-    let ws = Tensor::alloc(op, dev, &[splits as usize, m as usize, n as usize], DType::F32)?;
+    let slices = if paired { 2 * splits } else { splits };
+    let chunk = k.div_ceil(slices).div_ceil(64) * 64;
+    // Paired, a last slice that starts beyond K is zeros; unpaired, there is none.
+    let (launched, slices) = if paired { (splits, slices) } else { (k.div_ceil(chunk), k.div_ceil(chunk)) };
+    let ws = Tensor::alloc(op, dev, &[slices as usize, m as usize, n as usize], DType::F32)?;
     let wm = Mat { ptr: ws.dev_ptr_u64(), ld: n, stride: m * n };
     let partial = Operands { output: DType::F32, d: wm, residual: 0, bias_col: 0, bias_row: 0, ..*ops };
     let plain = Gemm { alpha: 1.0, beta: 0.0, ..*g };
     let epi = epilogue_for(&partial, wm, (0, 0), (m, n), &plain, EPI_IDENTITY);
-    gemm_wgmma::launch(op, dev, (ops.input, DType::F32), (splits, m, n, k), a, b, epi, Some(chunk))?;
-    reduce_splits(dev, &ws, splits, (m, n), ops, g, act)
+    let split = gemm_wgmma::Split { chunk, paired };
+    gemm_wgmma::launch(op, dev, (ops.input, DType::F32), (launched, m, n, k), a, b, epi, Some(split))?;
+    reduce_splits(dev, &ws, slices, (m, n), ops, g, act)
 }
 
 /// How one product runs: K slices (1: no split) of `chunk` elements.

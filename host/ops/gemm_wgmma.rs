@@ -11,7 +11,7 @@ use cudarc::driver::sys;
 use kernels_gpu::DType;
 use kernels_gpu::gemm_epilogue::Epilogue;
 use kernels_gpu::gemm_wgmma::{
-    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, SMEM_BYTES, SPLIT_K, THREADS, WgmmaArgs, wgmma_kernel,
+    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, PAIR_K, SMEM_BYTES, SPLIT_K, THREADS, WgmmaArgs, wgmma_kernel,
 };
 
 /// One input operand as stored: device address, elements between rows (`ld`) and between the
@@ -82,11 +82,19 @@ fn tensor_map(
     Ok(map.opaque)
 }
 
+/// How [`launch`] splits one product along K: slices of `chunk` elements (a multiple of 64),
+/// slice `s`'s partial product into D's batch `s`; `paired`: the two blocks of a cluster take
+/// the same tile and two slices (`PAIR_K`, for at most `BM` rows), so D has `2 * batch` batches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Split {
+    pub(crate) chunk: u64,
+    pub(crate) paired: bool,
+}
+
 /// Runs `batch` products `op(A) @ op(B)` (`m x k` by `k x n`) through the epilogue `epi` (whose
-/// `m`, `n` must be these) with the wgmma kernels; or, with `k_chunk`, one product (A and B not
-/// batched) split along K into `batch` slices of `k_chunk` (a multiple of 64), slice `s`'s
-/// partial product into D's batch `s`. The caller checked [`supports`], the shapes against the
-/// tensors, and `epi` against D.
+/// `m`, `n` must be these) with the wgmma kernels; or, with `split`, one product (A and B not
+/// batched) split along K as [`Split`] says. The caller checked [`supports`], the shapes against
+/// the tensors, and `epi` against D.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     op: &'static str,
@@ -96,13 +104,18 @@ pub(crate) fn launch(
     a: &Operand,
     b: &Operand,
     epi: Epilogue,
-    k_chunk: Option<u64>,
+    split: Option<Split>,
 ) -> Result<()> {
     let Some(kernel) = wgmma_kernel(a.trans, b.trans, input == DType::BF16, out) else {
         return Err(Error::InvalidArgument { op, message: format!("no wgmma kernel for {input:?} into {out:?}") });
     };
-    // Tiles of a cluster: CLUSTER blocks of BM rows by BN columns.
-    let tiles = m.div_ceil((BM * CLUSTER) as u64) * n.div_ceil(BN as u64) * batch;
+    let paired = split.is_some_and(|s| s.paired);
+    if paired && m > BM as u64 {
+        return Err(Error::InvalidArgument { op, message: format!("paired K slices of {m} > {BM} rows") });
+    }
+    // Tiles of a cluster: CLUSTER blocks of BM rows by BN columns (paired: one tile).
+    let rows = if paired { BM } else { BM * CLUSTER } as u64;
+    let tiles = m.div_ceil(rows) * n.div_ceil(BN as u64) * batch;
     if tiles == 0 {
         return Ok(());
     }
@@ -112,8 +125,7 @@ pub(crate) fn launch(
             message: format!("{batch} x {m} x {n} x {k} is beyond the kernel's range"),
         });
     }
-    let split = k_chunk.is_some();
-    if split && (a.stride != 0 || b.stride != 0) {
+    if split.is_some() && (a.stride != 0 || b.stride != 0) {
         return Err(Error::InvalidArgument { op, message: "split-K of a batched product".into() });
     }
     let bmul = |o: &Operand| if o.stride == 0 { 1 } else { batch };
@@ -136,7 +148,8 @@ pub(crate) fn launch(
     maps.copy_from_host_async(&words)?;
     let flags = if a.stride != 0 { A_BATCHED } else { 0 }
         | if b.stride != 0 { B_BATCHED } else { 0 }
-        | if split { SPLIT_K } else { 0 };
+        | if split.is_some() { SPLIT_K } else { 0 }
+        | if paired { PAIR_K } else { 0 };
     // Persistent: as many clusters as fit at once (66 on a 132-SM H100), or one per tile.
     let resident = dev.max_active_clusters(kernel.name(), CLUSTER, THREADS, SMEM_BYTES)?.max(1);
     let cfg = LaunchConfig {
@@ -144,7 +157,14 @@ pub(crate) fn launch(
         block: (THREADS, 1, 1),
         shared_bytes: SMEM_BYTES,
     };
-    let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags, k_chunk.unwrap_or(k) as u32);
+    let k_chunk = split.map_or(k, |s| s.chunk);
+    if k_chunk > u32::MAX as u64 / (2 * batch).max(1) {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("{batch} K slices of {k_chunk}: beyond the kernel's range"),
+        });
+    }
+    let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags, k_chunk as u32);
     // SAFETY: the maps describe A and B as the caller checked them (the copy engine reads
     // nothing outside them); `epi` describes D; the buffer of maps lives until the kernel has
     // read it (freed stream-ordered after it).

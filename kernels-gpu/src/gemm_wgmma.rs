@@ -17,7 +17,9 @@
 //! - Persistent: as many clusters as fit at once, cluster `c` taking cluster tiles `c`,
 //!   `c + clusters`, ... in an order that walks [`GROUP_M`] tile rows together, so that the tiles
 //!   in flight share their A and B slices in L2. While the consumers store one tile, the producer
-//!   already loads the next one's stages. Few tiles and a long K: split-K ([`SPLIT_K`]).
+//!   already loads the next one's stages. Few tiles and a long K: split-K ([`SPLIT_K`]). A
+//!   product of at most [`BM`] rows pairs the blocks of a cluster on one tile, each taking a K
+//!   slice ([`PAIR_K`]), and a consumer whose 64 rows lie outside D issues no products.
 //! - Layouts: A is read K-major (stored `m x k`) or M-major (stored `k x m`, `trans_a`), B
 //!   K-major (stored `n x k`, `trans_b`) or N-major (stored `k x n`); both are what `wgmma`
 //!   reads directly, so every transpose runs at the same speed. Out-of-range rows and K columns
@@ -60,11 +62,16 @@ pub const B_BATCHED: u32 = 2;
 /// (b + 1) * k_chunk)`, of a single product (A and B not batched); D's batch `b` is that slice's
 /// partial product (an f32 workspace that a reduction sums).
 pub const SPLIT_K: u32 = 4;
+/// Bit of the flags parameter, with [`SPLIT_K`]: the two blocks of a cluster take the same tile,
+/// block `r` of batch `b` the K slice `CLUSTER * b + r` (D's batch of that index), each loading
+/// its own B. For products of at most [`BM`] rows, where the vertically adjacent tile of the
+/// other block would lie outside D.
+pub const PAIR_K: u32 = 8;
 
 /// Parameters: the two tensor maps (A's at the address, B's 128 bytes after it; in global
 /// memory, 64-byte aligned), the epilogue (its `m`, `n` the product's), `k`, the batch count,
-/// the flags ([`A_BATCHED`], [`B_BATCHED`], [`SPLIT_K`]) and, with `SPLIT_K`, the slices' length
-/// (a multiple of [`BK`]).
+/// the flags ([`A_BATCHED`], [`B_BATCHED`], [`SPLIT_K`], [`PAIR_K`]) and, with `SPLIT_K`, the
+/// slices' length (a multiple of [`BK`]; a slice that starts at or beyond `k` is zeros).
 pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32, u32);
 
 /// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles (here the tiles of a
@@ -212,6 +219,7 @@ mod device {
         let tid = thread_idx_x();
         let wg = tid / 128;
         let rank = cluster_rank();
+        let paired = flags & PAIR_K != 0;
         let base = (dyn_smem_addr() + 1023) & !1023;
         let a_s = base;
         let b_s = base + STAGES * A_STAGE;
@@ -225,26 +233,30 @@ mod device {
                 for s in 0..STAGES {
                     mbarrier_init(full(s), 1);
                     // A stage holds B rows that both blocks loaded: both blocks' consumers
-                    // release it.
-                    mbarrier_init(empty(s), CONSUMERS * CLUSTER);
+                    // release it (paired: each block loads its own).
+                    mbarrier_init(empty(s), if paired { CONSUMERS } else { CONSUMERS * CLUSTER });
                 }
                 fence_mbarrier_init();
             }
         }
         // The other block's barriers are initialised before anything signals them.
         cluster_sync();
-        let tiles_m = e.m.div_ceil(BM * CLUSTER);
+        let tiles_m = e.m.div_ceil(if paired { BM } else { BM * CLUSTER });
         let tiles_n = e.n.div_ceil(BN);
         let total = tiles_m * tiles_n * batch;
-        // The K range of batch `b`: all of K, or its slice.
-        let k_range = |b: u32| {
+        // This block's batch of D for the walk's batch `b` (paired: its K slice), and the first
+        // K and the stages of that batch: all of K, or its slice.
+        let slice = move |b: u32| if paired { b * CLUSTER + rank } else { b };
+        let k_range = move |b: u32| {
             if flags & SPLIT_K != 0 {
-                let k0 = b * k_chunk;
-                (k0, (k - k0).min(k_chunk).div_ceil(BK))
+                let k0 = slice(b) * k_chunk;
+                (k0, if k0 < k { (k - k0).min(k_chunk).div_ceil(BK) } else { 0 })
             } else {
                 (0, k.div_ceil(BK))
             }
         };
+        // The first row of tile row `tm`, for this block.
+        let row0 = move |tm: u32| if paired { tm * BM } else { (tm * CLUSTER + rank) * BM };
 
         if wg == 0 {
             // SAFETY: the whole warpgroup; the kernel's `.maxntid`/`.minnctapersm` cap it.
@@ -266,7 +278,7 @@ mod device {
                         let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
                         let za = if flags & A_BATCHED != 0 { b as i32 } else { 0 };
                         let zb = if flags & B_BATCHED != 0 { b as i32 } else { 0 };
-                        let (m0, n0) = (((tm * CLUSTER + rank) * BM) as i32, (tn * BN) as i32);
+                        let (m0, n0) = (row0(tm) as i32, (tn * BN) as i32);
                         let (k0, k_tiles) = k_range(b);
                         for kt in 0..k_tiles {
                             mbarrier_wait_parity(empty(s), ph ^ 1);
@@ -280,8 +292,21 @@ mod device {
                             } else {
                                 tma_load_3d(a_dst, map_a, full(s), kc, m0, za);
                             }
-                            // This block's half of B, into both blocks.
-                            if B_MN == 1 {
+                            if paired {
+                                // All of B, for this block alone.
+                                if B_MN == 1 {
+                                    for j in 0..4 {
+                                        let c = (n0 + 64 * j as i32, kc, zb);
+                                        tma_load_3d(b_dst + j * (B_STAGE / 4), map_b, full(s), c.0, c.1, c.2);
+                                    }
+                                } else {
+                                    for h in 0..2 {
+                                        let n = n0 + (BN / 2 * h) as i32;
+                                        tma_load_3d(b_dst + h * (B_STAGE / 2), map_b, full(s), kc, n, zb);
+                                    }
+                                }
+                            } else if B_MN == 1 {
+                                // This block's half of B, into both blocks.
                                 for j in 2 * rank..2 * rank + 2 {
                                     let c = (n0 + 64 * j as i32, kc, zb);
                                     tma_load_3d_multicast(b_dst + j * (B_STAGE / 4), map_b, full(s), c, 0b11);
@@ -301,20 +326,29 @@ mod device {
                 }
             }
         } else {
-            consume::<BF16, O, A_MN, B_MN>(&e, (a_s, b_s, bars), (tiles_m, tiles_n, total), k_range);
+            consume::<BF16, O, A_MN, B_MN>(
+                &e,
+                (a_s, b_s, bars),
+                (tiles_m, tiles_n, total),
+                paired,
+                (row0, slice, k_range),
+            );
         }
         // No block exits while the other may still signal its barriers or write its ring.
         cluster_sync();
     }
 
     /// The consumer warpgroups' part of [`gemm`]: `(a_s, b_s, bars)` the ring and its barriers,
-    /// `tiles` the walk's `(tiles_m, tiles_n, total)`, `k_range` batch `b`'s first K and stages.
+    /// `tiles` the walk's `(tiles_m, tiles_n, total)`, `paired` as [`PAIR_K`], and for a tile
+    /// row or a batch of the walk: this block's first row, its batch of D, and the batch's first
+    /// K and stages.
     #[inline(always)]
     fn consume<const BF16: bool, O: OutType, const A_MN: u32, const B_MN: u32>(
         e: &Epilogue,
         (a_s, b_s, bars): (u32, u32, u32),
         (tiles_m, tiles_n, total): (u32, u32, u32),
-        k_range: impl Fn(u32) -> (u32, u32),
+        paired: bool,
+        (row0, slice, k_range): (impl Fn(u32) -> u32, impl Fn(u32) -> u32, impl Fn(u32) -> (u32, u32)),
     ) {
         let full = |s: u32| bars + 8 * s;
         let empty = |s: u32| bars + 8 * (STAGES + s);
@@ -325,15 +359,17 @@ mod device {
         let cw = tid / 128 - 1;
         let lane = tid % 32;
         let warp = (tid % 128) / 32;
-        // One thread of the warpgroup releases its stages locally, one of another warp remotely,
-        // so that neither waits on the other's arrive.
-        let (local, remote) = (tid % 128 == 0, tid % 128 == 32);
+        // One thread of the warpgroup releases its stages locally, one of another warp remotely
+        // (unless paired), so that neither waits on the other's arrive.
+        let (local, remote) = (tid % 128 == 0, tid % 128 == 32 && !paired);
         let (mut s, mut ph) = (0u32, 0u32);
         let mut t = cluster_idx_x();
         while t < total {
             let (b, tm, tn) = tile_coords(t, tiles_m, tiles_n);
-            let tm = tm * CLUSTER + rank;
             let k_tiles = k_range(b).1;
+            // A warpgroup whose 64 rows lie outside D waits for the stages and releases them,
+            // without products (a product of up to 64 rows then takes half the tensor-core time).
+            let active = row0(tm) + cw * 64 < e.m;
             // Zeroed, not `[0.0; 128]`: rustc writes a repeat as a loop with a variable index,
             // which keeps the array out of registers.
             // SAFETY: all-zero bits are 0.0.
@@ -345,17 +381,19 @@ mod device {
             unsafe {
                 for _ in 0..k_tiles {
                     mbarrier_wait_parity(full(s), ph);
-                    wgmma_fence(&mut acc);
-                    let (a_st, b_st) = (a_s + s * A_STAGE + cw * (A_STAGE / 2), b_s + s * B_STAGE);
-                    unroll!(KK: u32; 0 1 2 3 => {
-                        // K-major: the next 16 values of K are 32 bytes on in each swizzled
-                        // row; M/N-major: two 8-row K groups (2048 bytes) on.
-                        let da = if A_MN == 1 { desc(a_st + KK * 2048, 8192, 1024) } else { desc(a_st + KK * 32, 16, 1024) };
-                        let db = if B_MN == 1 { desc(b_st + KK * 2048, 8192, 1024) } else { desc(b_st + KK * 32, 16, 1024) };
-                        wgmma_m64n256k16::<BF16, A_MN, B_MN>(&mut acc, da, db);
-                    });
-                    wgmma_commit();
-                    wgmma_wait::<1>(&mut acc);
+                    if active {
+                        wgmma_fence(&mut acc);
+                        let (a_st, b_st) = (a_s + s * A_STAGE + cw * (A_STAGE / 2), b_s + s * B_STAGE);
+                        unroll!(KK: u32; 0 1 2 3 => {
+                            // K-major: the next 16 values of K are 32 bytes on in each swizzled
+                            // row; M/N-major: two 8-row K groups (2048 bytes) on.
+                            let da = if A_MN == 1 { desc(a_st + KK * 2048, 8192, 1024) } else { desc(a_st + KK * 32, 16, 1024) };
+                            let db = if B_MN == 1 { desc(b_st + KK * 2048, 8192, 1024) } else { desc(b_st + KK * 32, 16, 1024) };
+                            wgmma_m64n256k16::<BF16, A_MN, B_MN>(&mut acc, da, db);
+                        });
+                        wgmma_commit();
+                        wgmma_wait::<1>(&mut acc);
+                    }
                     if prev != STAGES {
                         if local {
                             mbarrier_arrive(empty(prev));
@@ -379,23 +417,25 @@ mod device {
                     }
                 }
             }
-            let row = tm * BM + cw * 64 + warp * 16 + lane / 4;
+            // D's batch: the product's, or with SPLIT_K this block's slice.
+            let zb = slice(b);
+            let row = row0(tm) + cw * 64 + warp * 16 + lane / 4;
             let col = tn * BN + 2 * (lane % 4);
             let quad = O::DTYPE != crate::DType::F32 && e.flags & QUAD != 0 && (tn + 1) * BN <= e.n;
             // SAFETY: the stores check rows and columns against the epilogue's m and n.
             unsafe {
                 if quad && is_simple(e) && e.act <= EPI_SILU {
                     match e.act {
-                        EPI_RELU => store_tile_quad::<O, EPI_RELU>(e, b, row, tn * BN, &acc),
-                        EPI_GELU => store_tile_quad::<O, EPI_GELU>(e, b, row, tn * BN, &acc),
-                        EPI_GELU_TANH => store_tile_quad::<O, EPI_GELU_TANH>(e, b, row, tn * BN, &acc),
-                        EPI_SILU => store_tile_quad::<O, EPI_SILU>(e, b, row, tn * BN, &acc),
-                        _ => store_tile_quad::<O, EPI_IDENTITY>(e, b, row, tn * BN, &acc),
+                        EPI_RELU => store_tile_quad::<O, EPI_RELU>(e, zb, row, tn * BN, &acc),
+                        EPI_GELU => store_tile_quad::<O, EPI_GELU>(e, zb, row, tn * BN, &acc),
+                        EPI_GELU_TANH => store_tile_quad::<O, EPI_GELU_TANH>(e, zb, row, tn * BN, &acc),
+                        EPI_SILU => store_tile_quad::<O, EPI_SILU>(e, zb, row, tn * BN, &acc),
+                        _ => store_tile_quad::<O, EPI_IDENTITY>(e, zb, row, tn * BN, &acc),
                     }
                 } else if is_plain(e) {
                     unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 => {
-                        store_pair_plain::<O>(e, b, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
-                        store_pair_plain::<O>(e, b, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
+                        store_pair_plain::<O>(e, zb, row, col + 8 * J as u32, [acc[4 * J], acc[4 * J + 1]]);
+                        store_pair_plain::<O>(e, zb, row + 8, col + 8 * J as u32, [acc[4 * J + 2], acc[4 * J + 3]]);
                     });
                 } else {
                     // A copy, so that only it (not the accumulators) lives in local memory.
@@ -407,7 +447,7 @@ mod device {
                         out[4 * J + 2] = acc[4 * J + 2];
                         out[4 * J + 3] = acc[4 * J + 3];
                     });
-                    store_tile::<O>(e, b, row, col, &out);
+                    store_tile::<O>(e, zb, row, col, &out);
                 }
             }
             t += cluster_count_x();
