@@ -196,6 +196,49 @@ mod device {
         });
     }
 
+    /// [`store_tile_quad`] where the epilogue is a plain store ([`is_plain`]): the values
+    /// rounded and stored, nothing computed per element, as the plain products were measured
+    /// at their fastest (docs/worklog.md, 2026-11-27-wgmma-epilogue).
+    ///
+    /// # Safety
+    /// As [`store_tile`]; the whole warp calls it (shuffles).
+    #[inline(always)]
+    unsafe fn store_tile_quad_plain<O: OutType>(e: &Epilogue, b: u32, row: u32, col_tile: u32, acc: &[f32; 128]) {
+        let t = thread_idx_x() % 4;
+        let pack = |lo: f32, hi: f32| {
+            if O::DTYPE == crate::DType::BF16 { f32x2_to_bf16x2(lo, hi) } else { f32x2_to_f16x2(lo, hi) }
+        };
+        unroll!(H: usize; 0 1 => {
+            let r = row + 8 * H as u32;
+            unroll!(G: usize; 0 1 2 3 4 5 6 7 => {
+                // w[j]: this thread's pair of columns 8 (4 G + j) + 2 t of row r.
+                let mut w = [0u32; 4];
+                unroll!(J: usize; 0 1 2 3 => {
+                    let i = 4 * (4 * G + J) + 2 * H;
+                    w[J] = pack(acc[i], acc[i + 1]);
+                });
+                // Transpose within the quad: afterwards w[j] is thread j's pair of columns
+                // 8 (4 G + t) + 2 j.
+                unroll!(M: u32; 2 1 => {
+                    unroll!(J: usize; 0 1 2 3 => {
+                        if J as u32 & M == 0 {
+                            let hi = J | M as usize;
+                            let keep_low = t & M == 0;
+                            let got = shfl_xor_u32(if keep_low { w[hi] } else { w[J] }, M);
+                            if keep_low { w[hi] = got } else { w[J] = got }
+                        }
+                    });
+                });
+                if r < e.m {
+                    let i = b as u64 * e.stride_d + r as u64 * e.ldd + (col_tile + 8 * (4 * G as u32 + t)) as u64;
+                    // SAFETY: the row is inside D, the tile's columns too (the caller's), and
+                    // rows are 16-byte aligned (QUAD).
+                    unsafe { st_global_v4((e.d as *mut u32).add(i as usize / 2), w) };
+                }
+            });
+        });
+    }
+
     /// Whether [`store_tile_quad`] computes the epilogue: no C, row bias or residual.
     #[inline(always)]
     fn is_simple(e: &Epilogue) -> bool {
@@ -424,7 +467,9 @@ mod device {
             let quad = O::DTYPE != crate::DType::F32 && e.flags & QUAD != 0 && (tn + 1) * BN <= e.n;
             // SAFETY: the stores check rows and columns against the epilogue's m and n.
             unsafe {
-                if quad && is_simple(e) && e.act <= EPI_SILU {
+                if quad && is_plain(e) {
+                    store_tile_quad_plain::<O>(e, zb, row, tn * BN, &acc);
+                } else if quad && is_simple(e) && e.act <= EPI_SILU {
                     match e.act {
                         EPI_RELU => store_tile_quad::<O, EPI_RELU>(e, zb, row, tn * BN, &acc),
                         EPI_GELU => store_tile_quad::<O, EPI_GELU>(e, zb, row, tn * BN, &acc),
