@@ -217,8 +217,9 @@ pub(crate) fn gemm_tc_dims(
 /// tiles than the GPU has clusters of two SMs, and a long enough K, is split along K into as
 /// many slices as fill the GPU (each at least [`WGMMA_MIN_SLICE`] long), computed into an f32
 /// workspace and summed in order by the reduction of the mma.sync path. A single product of at
-/// most 128 rows (where a cluster's second tile would lie below D) is split so in any case, the
-/// two blocks of a cluster on one tile, each with its own K slice.
+/// most 128 rows (where a cluster's second tile would lie below D) and fewer column tiles than
+/// clusters is split so in any case, the two blocks of a cluster on one tile, each with its own
+/// K slice.
 fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: u32) -> Option<Result<()>> {
     let (batch, m, n, k) = problem;
     // K = 0 (D is the epilogue of zeros) has no tensor to map.
@@ -233,8 +234,9 @@ fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: 
     let tiles_n = n.div_ceil(256);
     let cluster_tiles = batch.saturating_mul(m.div_ceil(256)).saturating_mul(tiles_n);
     let clusters = dev.sm_count() as u64 / 2;
-    if batch == 1 && m <= 128 && k >= 2 * WGMMA_MIN_PAIRED {
-        // One tile row: the blocks of a cluster share each tile, in K slices.
+    if batch == 1 && m <= 128 && tiles_n < clusters && k >= 2 * WGMMA_MIN_PAIRED {
+        // One tile row, fewer tiles than clusters: the blocks of a cluster share each tile, in K
+        // slices (with more tiles, the workspace would cost more than the idle blocks).
         let pairs = (clusters / tiles_n).min(k / (2 * WGMMA_MIN_SLICE)).max(1);
         return Some(wgmma_split_k(dev, (m, n, k), (pairs, true), ops, (&a, &b), g, act));
     }
