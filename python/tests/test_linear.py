@@ -5,7 +5,7 @@
 Tolerance: a worst-case bound per element, not a fitted one (none was widened to pass).
 ``u = 2^-24`` is f32's unit roundoff. Each pre-activation ``z = sum_k x_k w_k + b`` is a sum of K
 products and the bias accumulated in f32 with FMAs, in some order (one running sum per thread, or
-split-K's ``s <= K / 512`` slices added in order); any such summation errs by at most ``(K + s) u
+split-K's ``s <= K / 256`` slices added in order); any such summation errs by at most ``(K + s) u
 S`` to first order, ``S = sum_k |x_k w_k| + |b|``, and the store adds a few roundings: ``|z -
 z_exact| <= (K + s + 4) u S`` (the bound of the library's GEMM tests, ``tests/gemm.rs``). The
 activation passes that error on with its slope (at most 1.13 for GELU, 1.1 for SiLU; 1.2 is used)
@@ -61,10 +61,10 @@ def randn(*shape, scale=1.0, seed=0):
 
 
 def sum_terms(k: int, precision: str = "highest") -> int:
-    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 512), 4.
+    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 256), 4.
     In 3xTF32 (``tests/gemm.rs``): each product off by up to 24 u of itself, the tensor core's
     truncating additions up to 1.5 k u: ``2 k + s + 32``; plain TF32 ("high") sums as 3xTF32."""
-    return k + k // 512 + 4 if precision == "highest" else 2 * k + k // 512 + 32
+    return k + k // 256 + 4 if precision == "highest" else 2 * k + k // 256 + 32
 
 
 RHO = 2.0**-10 + 2.0**-22  # plain TF32: a product of two operands rounded to TF32, relative
