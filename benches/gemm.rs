@@ -4,9 +4,12 @@
 //! `relu(x @ W^T + b)` at 8192x4096 by 4096x4096 against cuBLAS's plain product (PyTorch's eager
 //! `relu(F.linear(x, W, b))` is cuBLAS plus one kernel; its figures against ours are in
 //! docs/worklog.md, 2026-11-24b-gemm). The `3xtf32` cases run the same shapes with
-//! `Precision::Tf32x3` (still against cuBLAS's FP32 product), and `accuracy` prints the relative
-//! error of both precisions, cuBLAS FP32 and cuBLAS TF32 against an f64 product on the same data
-//! (and of the bf16/f16 products, ours and `cublasGemmEx`, with f32 and 16-bit D).
+//! `Precision::Tf32x3` (still against cuBLAS's FP32 product); the `gemm/tf32` cases (4096^3,
+//! 8192^3, the linear layer's `nt` and its fused form) run plain TF32, `Precision::Tf32`, against
+//! cuBLAS in TF32 (`cublasGemmEx`, `CUBLAS_COMPUTE_32F_FAST_TF32`, what PyTorch runs with
+//! `allow_tf32 = True`). `accuracy` prints the relative error of our three precisions, cuBLAS
+//! FP32 and cuBLAS TF32 against an f64 product on the same data, and of the bf16/f16 products,
+//! ours and `cublasGemmEx`'s, with f32 and 16-bit D.
 //! The `bf16` and `f16` cases run the tensor-core GEMM (`host/ops/gemm_tc.rs`) against cuBLAS's
 //! `cublasGemmEx` with the same input and output dtype and f32 accumulation
 //! (`CUBLAS_COMPUTE_32F`, what PyTorch's `F.linear` in bf16 runs), at the shapes of a transformer's
@@ -18,13 +21,15 @@
 //! two CUDA events, after a warm-up of 3 launches each; the median over all timed launches is
 //! reported (20 each by default, `KERNELS_GEMM_ITERS`). A GEMM of these sizes is compute-bound
 //! (8192^3 reads 0.8 GB for 1.1 TFLOP), so the L2 is not flushed. cuBLAS runs in its default FP32
-//! mode (no TF32: `CUBLAS_DEFAULT_MATH`, as PyTorch with `allow_tf32 = False`), loaded at run
+//! mode (no TF32: `CUBLAS_DEFAULT_MATH`, as PyTorch with `allow_tf32 = False`) except in the
+//! `gemm/tf32` cases, loaded at run
 //! time from `libcublas.so.12` (the suite script points `LD_LIBRARY_PATH` at the pip wheel's
 //! copy). JSON records (`KERNELS_BENCH_JSON`) carry both times and the ratio.
 //!
 //! ```text
 //! cargo bench --bench gemm                  # everything
 //! cargo bench --bench gemm -- 4096          # names containing "4096"
+//! cargo bench --bench gemm -- gemm/tf32/    # plain TF32 against cuBLAS TF32
 //! cargo bench --bench gemm -- accuracy      # the accuracy table only
 //! ```
 
@@ -34,7 +39,8 @@ use kernels::{DType, Device, Result, Tensor};
 
 struct Case {
     name: String,
-    /// The dtype of A, B and C: f32 (FMAs or 3xTF32), or bf16/f16 on the tensor cores.
+    /// The dtype of A, B and C: f32 (FMAs, 3xTF32 or TF32: `g.precision`), or bf16/f16 on the
+    /// tensor cores.
     dtype: DType,
     g: Gemm,
     m: usize,
@@ -49,13 +55,14 @@ fn cases() -> Vec<Case> {
     let mut add_p = |m: usize, n: usize, k: usize, ta: bool, tb: bool, linear: bool, precision: Precision| {
         let ops = format!("{}{}", if ta { 't' } else { 'n' }, if tb { 't' } else { 'n' });
         let what = match (linear, precision) {
-            (false, Precision::Highest) => "sgemm",
-            (true, Precision::Highest) => "linear_bias_relu",
+            (false, Precision::Highest | Precision::Tf32) => "sgemm",
+            (true, Precision::Highest | Precision::Tf32) => "linear_bias_relu",
             (false, _) => "sgemm_3xtf32",
             (true, _) => "linear_bias_relu_3xtf32",
         };
+        let family = if precision == Precision::Tf32 { "tf32" } else { "f32" };
         let g = Gemm { precision: Some(precision), ..Gemm::new(ta, tb) };
-        v.push(Case { name: format!("gemm/f32/{what}_{ops}@{m}x{n}x{k}"), dtype: DType::F32, g, m, n, k, linear });
+        v.push(Case { name: format!("gemm/{family}/{what}_{ops}@{m}x{n}x{k}"), dtype: DType::F32, g, m, n, k, linear });
     };
     let mut add = |m, n, k, ta, tb, linear| add_p(m, n, k, ta, tb, linear, Precision::Highest);
     add(4096, 4096, 4096, false, false, false);
@@ -86,6 +93,12 @@ fn cases() -> Vec<Case> {
     add_p(4096, 4096, 4096, true, true, false, p);
     add_p(1000, 1000, 1000, false, false, false, p);
     add_p(64, 1024, 1024, false, true, true, p);
+    // Plain TF32 against cuBLAS in TF32.
+    let p = Precision::Tf32;
+    add_p(4096, 4096, 4096, false, false, false, p);
+    add_p(8192, 8192, 8192, false, false, false, p);
+    add_p(4096, 4096, 4096, false, true, false, p);
+    add_p(8192, 4096, 4096, false, true, true, p);
     // bf16 and f16 on the tensor cores, against cuBLAS in the same dtype. `nt` is the linear
     // layer's forward (x W^T); the fused case is gelu(x W^T + b).
     for dtype in [DType::BF16, DType::F16] {
@@ -150,21 +163,22 @@ unsafe fn cublas_sgemm(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: 
     }
 }
 
-/// cuBLAS's row-major product of bf16 or f16 matrices (`cs.dtype`) into C of the same dtype,
-/// accumulated in f32 (`cublasGemmEx`, `CUBLAS_COMPUTE_32F`), arranged as [`cublas_sgemm`].
+/// cuBLAS's row-major product through `cublasGemmEx`, arranged as [`cublas_sgemm`]: bf16 or f16
+/// matrices (`cs.dtype`) into C of the same dtype, accumulated in f32 (`CUBLAS_COMPUTE_32F`); or
+/// f32 ones in TF32 (`CUBLAS_COMPUTE_32F_FAST_TF32`).
 ///
 /// # Safety
 /// As [`cublas_sgemm`].
-unsafe fn cublas_gemm_half(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+unsafe fn cublas_gemm_ex(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
     // SAFETY: per the function contract.
-    unsafe { cublas_gemm_half_into(h, cs, a, b, c, cs.dtype) }
+    unsafe { cublas_gemm_ex_into(h, cs, a, b, c, cs.dtype) }
 }
 
-/// [`cublas_gemm_half`] with C of dtype `out` (the inputs' dtype or f32).
+/// [`cublas_gemm_ex`] with C of dtype `out` (the inputs' dtype or f32).
 ///
 /// # Safety
 /// As [`cublas_sgemm`].
-unsafe fn cublas_gemm_half_into(
+unsafe fn cublas_gemm_ex_into(
     h: cublas_sys::cublasHandle_t,
     cs: &Case,
     a: &Tensor,
@@ -172,6 +186,7 @@ unsafe fn cublas_gemm_half_into(
     c: &mut Tensor,
     out: DType,
 ) {
+    use cublas_sys::cublasComputeType_t::{CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32};
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     let (m, n, k) = (cs.m as i32, cs.n as i32, cs.k as i32);
     let lda = if cs.g.trans_a { m } else { k };
@@ -179,11 +194,14 @@ unsafe fn cublas_gemm_half_into(
     let (alpha, beta) = (1.0f32, 0.0f32);
     let cuda_type = |d: DType| match d {
         DType::F16 => cublas_sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => cublas_sys::cudaDataType::CUDA_R_16BF,
         DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
-        _ => cublas_sys::cudaDataType::CUDA_R_16BF,
     };
-    let ty = cuda_type(cs.dtype);
-    // SAFETY: per the function contract; alpha and beta are f32, as CUBLAS_COMPUTE_32F wants.
+    let (ty, compute) = match cs.dtype {
+        DType::F32 => (cuda_type(DType::F32), CUBLAS_COMPUTE_32F_FAST_TF32),
+        d => (cuda_type(d), CUBLAS_COMPUTE_32F),
+    };
+    // SAFETY: per the function contract; alpha and beta are f32, as both compute types want.
     unsafe {
         cublas::gemm_ex(
             h,
@@ -203,20 +221,22 @@ unsafe fn cublas_gemm_half_into(
             c.device_ptr() as *mut std::ffi::c_void,
             cuda_type(out),
             n,
-            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            compute,
             cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
         .expect("cublasGemmEx");
     }
 }
 
-/// cuBLAS's product for the case's dtype.
+/// cuBLAS's product for the case's dtype: FP32 for f32 (TF32 for the `Precision::Tf32` cases),
+/// f32 accumulation for bf16 and f16.
 ///
 /// # Safety
 /// As [`cublas_sgemm`].
 unsafe fn cublas_any(h: cublas_sys::cublasHandle_t, cs: &Case, a: &Tensor, b: &Tensor, c: &mut Tensor) {
+    let fp32 = cs.dtype == DType::F32 && cs.g.precision != Some(Precision::Tf32);
     // SAFETY: per the function contract.
-    unsafe { if cs.dtype == DType::F32 { cublas_sgemm(h, cs, a, b, c) } else { cublas_gemm_half(h, cs, a, b, c) } }
+    unsafe { if fp32 { cublas_sgemm(h, cs, a, b, c) } else { cublas_gemm_ex(h, cs, a, b, c) } }
 }
 
 fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize) -> Result<(f64, f64)> {
@@ -268,8 +288,10 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
     if !cs.linear {
         let (x, y) = (c.to_f32_vec()?, c_ref.to_f32_vec()?);
         let step = (x.len() / 97).max(1);
-        // Both round the f32 sums to the output dtype once: up to an ulp of it apart.
+        // Both round the f32 sums to the output dtype once: up to an ulp of it apart. In TF32
+        // each product errs by up to 2^-10 of itself, both sides: a few 2^-10 sqrt(k) apart.
         let tol = match dt {
+            DType::F32 if cs.g.precision == Some(Precision::Tf32) => 1e-2,
             DType::F32 => 1e-3,
             DType::F16 => 2e-3,
             DType::BF16 => 1e-2,
@@ -283,14 +305,15 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
 }
 
 /// Relative Frobenius error against an f64 product of `m x k` by `k x n` (row-major, computed
-/// here) for ours in each precision and for cuBLAS in FP32 and in TF32, on the same data: normal
+/// here) for ours in each precision (FMAs, 3xTF32, TF32) and for cuBLAS in FP32 and in TF32
+/// (`CUBLAS_TF32_TENSOR_OP_MATH`), on the same data: normal
 /// values (sums that cancel) and uniform values in [0, 1) (sums that grow, where a biased
 /// rounding shows).
 fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
     println!("\naccuracy: relative Frobenius error against f64 (same inputs for every row)");
     println!(
-        "{:<36} {:>12} {:>12} {:>12} {:>12}",
-        "data, m x n x k", "ours f32", "ours 3xTF32", "cuBLAS f32", "cuBLAS TF32"
+        "{:<36} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "data, m x n x k", "ours f32", "ours 3xTF32", "ours TF32", "cuBLAS f32", "cuBLAS TF32"
     );
     let (m, n) = (256usize, 256usize);
     for k in [4096usize, 16384] {
@@ -326,7 +349,7 @@ fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
             };
             let mut row = Vec::new();
             // `Tf32x3Always`: at this size `Tf32x3` would run the FMA kernel.
-            for precision in [Precision::Highest, Precision::Tf32x3Always] {
+            for precision in [Precision::Highest, Precision::Tf32x3Always, Precision::Tf32] {
                 let mut c = Tensor::empty(dev, &[m, n], DType::F32)?;
                 ops::gemm(&a, &b, &mut c, Gemm { precision: Some(precision), ..Gemm::default() })?;
                 row.push(err(&c.to_vec::<f32>()?));
@@ -348,7 +371,10 @@ fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
                 .result()
                 .expect("math mode");
             let data = format!("{}, {m} x {n} x {k}", if uniform { "uniform [0,1)" } else { "normal" });
-            println!("{data:<36} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e}", row[0], row[1], row[2], row[3]);
+            println!(
+                "{data:<36} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e}",
+                row[0], row[1], row[2], row[3], row[4]
+            );
         }
     }
     Ok(())
@@ -402,7 +428,7 @@ fn accuracy_tc(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
                     row.push(err(&c)?);
                     let mut c = Tensor::empty(dev, &[m, n], out)?;
                     // SAFETY: the handle is live; the tensors outlive the product (err synchronises).
-                    unsafe { cublas_gemm_half_into(h, &cs, &a, &b, &mut c, out) };
+                    unsafe { cublas_gemm_ex_into(h, &cs, &a, &b, &mut c, out) };
                     row.push(err(&c)?);
                 }
                 let data =

@@ -256,9 +256,10 @@ pub fn launch_bound(kernel: &str) -> Option<u32> {
 /// block fits. A tile of fewer threads gets no minimum (a 64 x 64 tile of 64 threads, tried,
 /// stages two chunks per operand and spilled at 128; unbounded it took 144: docs/worklog.md).
 pub fn gemm_launch_bounds(kernel: &str) -> Option<(u32, Option<u32>)> {
-    // The 3xTF32 kernels (kernels-gpu/src/gemm_tf32x3.rs): 256 threads, one block an SM (its
-    // 120 KB ring and 64 + 64 accumulators a thread), so no minimum: ptxas takes 214-224.
-    if kernel.starts_with("gemm_tf32x3") {
+    // The 3xTF32 and plain TF32 kernels (kernels-gpu/src/gemm_tf32x3.rs): 256 threads, one block
+    // an SM (its 120 KB ring and 64 + 64 accumulators a thread), so no minimum: ptxas takes
+    // 214-224 for 3xTF32.
+    if kernel.starts_with("gemm_tf32x3_") || kernel.starts_with("gemm_tf32_") {
         return Some((256, None));
     }
     // The bf16/f16 tensor-core kernels (kernels-gpu/src/gemm_tc.rs): 256 threads, two blocks an

@@ -242,3 +242,44 @@ fn tf32x3_split_holds_x_to_2_pow_minus_21() {
         assert!(f32::from_bits(split_tf32(nan).1).is_nan(), "NaN {:#x}: lo must be NaN", nan.to_bits());
     }
 }
+
+/// Plain TF32's rounding (`kernels_gpu::gemm_tf32x3::round_tf32`, the code the GEMM runs): what
+/// the tensor core reads of it (the top 19 bits) is `x` rounded to the nearest TF32 value, ties
+/// away from zero (`cvt.rna.tf32.f32`), against a reference computed in f64 from the exponent;
+/// so within `max(2^-11 |x|, 2^-137)` of `x`. Infinities stay, finite values within half a step
+/// of `f32::MAX` become infinities, and every NaN stays a NaN as the tensor core reads it.
+#[test]
+fn tf32_round_is_to_nearest_and_keeps_nan() {
+    use kernels_gpu::gemm_tf32x3::round_tf32;
+    let seen = |x: f32| f32::from_bits(round_tf32(x) & 0xffff_e000);
+    let mut rng = TestRng::new(0x7f31);
+    let mut xs: Vec<f32> =
+        (0..N).map(|_| (rng.normal() * 10f64.powi((rng.next_u64() % 60) as i32 - 30)) as f32).collect();
+    xs.extend((0..N / 10).map(|_| f32::from_bits(rng.next_u64() as u32)).filter(|x| x.is_finite()));
+    xs.extend([0.0, -0.0, 1.0, -1.0, f32::MIN_POSITIVE, 1e-40, -3e-45, 1.0 + f32::EPSILON, 3.4e38, -3.4e38]);
+    xs.extend([f32::MAX, -f32::MAX, f32::from_bits(0x7f7f_efff), f32::from_bits(0x007f_f000)]);
+    // Ties, both signs: half a TF32 step above 1 and below -1.
+    xs.extend([f32::from_bits(0x3f80_1000), f32::from_bits(0xbf80_1000)]);
+    for &x in &xs {
+        // The nearest TF32 value: 10 mantissa bits at x's exponent (-126 for denormals).
+        let e = (((x.to_bits() >> 23) & 0xff) as i32 - 127).max(-126);
+        let step = 2f64.powi(e - 10);
+        let want = ((x.abs() as f64 / step + 0.5).floor() * step).copysign(x as f64) as f32;
+        let got = seen(x);
+        assert_eq!(got.to_bits(), want.to_bits(), "x = {x:e} ({:#x}): {got:e}, expected {want:e}", x.to_bits());
+        let bound = (2f64.powi(-11) * (x as f64).abs()).max(2f64.powi(-137));
+        assert!(want.is_infinite() || (got as f64 - x as f64).abs() <= bound, "x = {x:e}: {got:e}");
+    }
+    assert_eq!(seen(1.0 + 2f32.powi(-11)), 1.0 + 2f32.powi(-10), "ties round away");
+    assert_eq!(seen(f32::MAX), f32::INFINITY, "within half a step of f32::MAX");
+    for inf in [f32::INFINITY, f32::NEG_INFINITY] {
+        assert_eq!(seen(inf), inf);
+    }
+    let mut nans = vec![f32::NAN, -f32::NAN];
+    nans.extend([0x7f80_0001u32, 0x7f80_1000, 0x7fff_e000, 0x7fff_ffff, 0xffff_ffff, 0xffff_f000].map(f32::from_bits));
+    nans.extend((0..1000).map(|_| f32::from_bits(rng.next_u64() as u32 | 0x7f80_0001)));
+    for nan in nans {
+        assert!(nan.is_nan());
+        assert!(seen(nan).is_nan(), "NaN {:#x} read as {:e}", nan.to_bits(), seen(nan));
+    }
+}

@@ -17,6 +17,10 @@
 //! no test tolerance was widened to pass. The tests also report the relative Frobenius error,
 //! which for random data sits near `sqrt(K) u`, far inside the bound.
 //!
+//! The tensor-core precisions sum on the tensor core, whose additions truncate (see
+//! `Case::bound_terms`). Plain TF32 (`Precision::Tf32`) also rounds each operand to TF32 before
+//! the exact tensor-core product (see `Case::operand_terms`).
+//!
 //! Outputs are poisoned (NaN) before each product; with `beta = 0`, C is never read, so the NaN
 //! must not leak; with `beta != 0`, C holds random values.
 
@@ -113,7 +117,8 @@ impl Case {
         }
         let alpha = self.g.alpha as f64;
         let mut v = if alpha == 0.0 { 0.0 } else { alpha * s };
-        let mut scale = alpha.abs() * abs;
+        let products = alpha.abs() * abs;
+        let mut scale = products;
         if let Some(c0) = &self.c0 {
             let old = c0.at(z, i, j);
             v += self.g.beta as f64 * old;
@@ -123,7 +128,7 @@ impl Case {
             v += b[j] as f64;
             scale += (b[j] as f64).abs();
         }
-        (v, self.bound_terms(splits) * (U / 2.0) * scale)
+        (v, (U / 2.0) * (self.bound_terms(splits) * scale + self.operand_terms(splits) * products))
     }
 
     /// The error bound's multiple of `u S` (module header): `K + s + 4` for f32 FMAs. For
@@ -136,6 +141,23 @@ impl Case {
         match self.g.precision {
             None | Some(Precision::Highest) => (self.k + splits + 4) as f64,
             Some(_) => (2 * self.k + splits + 32) as f64,
+        }
+    }
+
+    /// Plain TF32's further error, a multiple of `u |alpha| S` (0 for the other precisions).
+    /// Each operand is rounded to TF32 to nearest: `a' = a (1 + da)`, `|da| <= 2^-11` (half a step
+    /// of 10 mantissa bits; normal values, as the random data are), and likewise `b'`. The tensor
+    /// core multiplies `a' b'` exactly, so each term errs by `|a b| |da + db + da db| <= (2^-10 +
+    /// 2^-22) |a b| = (2^14 + 4) u |a b|`: `16388 u S` over the sum. The summation of the `a' b'`
+    /// then errs as [`Case::bound_terms`] says, of `S' = sum |a' b'| <= (1 + 2^-10 + 2^-22) S`
+    /// instead of `S`: `(2 K + s + 32) (2^-10 + 2^-22) u S` more.
+    fn operand_terms(&self, splits: usize) -> f64 {
+        match self.g.precision {
+            Some(Precision::Tf32) => {
+                let rounding = 2f64.powi(-10) + 2f64.powi(-22);
+                rounding / (U / 2.0) + self.bound_terms(splits) * rounding
+            }
+            _ => 0.0,
         }
     }
 }
@@ -188,7 +210,7 @@ fn check(dev: &Device, cs: &Case, rows: Option<&[usize]>) -> Result<(), String> 
     // allows for it), which for a few elements near a zero of GELU or SiLU is larger relative to
     // the output than K u (1x1x4 under GELU: 1.1e-6).
     let plain = matches!(cs.act, Activation::Identity | Activation::Relu);
-    if cs.k > 0 && plain && rel > cs.bound_terms(splits) * U {
+    if cs.k > 0 && plain && rel > (cs.bound_terms(splits) + cs.operand_terms(splits)) * U {
         return Err(format!("{}x{}x{}: relative Frobenius error {rel:e} beyond K u", cs.m, cs.n, cs.k));
     }
     Ok(())
@@ -228,11 +250,11 @@ fn acts() -> impl Strategy<Value = Activation> {
 }
 
 fn precisions() -> impl Strategy<Value = Precision> {
-    prop_oneof![Just(Precision::Highest), Just(Precision::Tf32x3Always)]
+    prop_oneof![Just(Precision::Highest), Just(Precision::Tf32x3Always), Just(Precision::Tf32)]
 }
 
-/// Both ways of computing an f32 product.
-const PRECISIONS: [Precision; 2] = [Precision::Highest, Precision::Tf32x3Always];
+/// The ways of computing an f32 product: FMAs, 3xTF32, plain TF32.
+const PRECISIONS: [Precision; 3] = [Precision::Highest, Precision::Tf32x3Always, Precision::Tf32];
 
 fn random_products(dev: &Device) -> Result<(), String> {
     let strat = (
@@ -245,7 +267,7 @@ fn random_products(dev: &Device) -> Result<(), String> {
         (acts(), precisions()),
         any::<u64>(),
     );
-    prop(96, strat, |((ta, tb), mnk, batch, share, (alpha, beta), bias, (act, precision), seed)| {
+    prop(144, strat, |((ta, tb), mnk, batch, share, (alpha, beta), bias, (act, precision), seed)| {
         let g = Gemm { trans_a: ta, trans_b: tb, alpha, beta, precision: Some(precision) };
         let share = if batch.is_some() { share } else { 0 };
         check(dev, &make_case(seed, g, batch, mnk, share, bias, act), None)
@@ -302,6 +324,10 @@ fn ieee(dev: &Device) -> Result<(), String> {
     a.v[3 * k + 5] = f32::NAN;
     // A NaN whose payload lies in the bits TF32 drops (3xTF32 rounds them away from `hi`).
     a.v[7 * k + 2] = f32::from_bits(0x7f80_0001);
+    // NaNs whose top mantissa bits are all set (the GPU's own NaN, and a negative one): adding
+    // half a TF32 step to their bits carries out of the exponent, to a zero or a denormal.
+    a.v[50 * k + 9] = f32::from_bits(0x7fff_ffff);
+    a.v[60 * k + 30] = f32::from_bits(0xffff_f000);
     a.v[100 * k + 1] = f32::INFINITY;
     // Row 120 of A and column 9 of B: denormals only (products near 1e-76 underflow to 0; the
     // rows of A that meet column 9 must still be finite, and row 120 times normal B is a sum
@@ -322,19 +348,22 @@ fn ieee(dev: &Device) -> Result<(), String> {
                 let g = got[i * n + j];
                 // IEEE: inf * x is +-inf for x != 0, and a sum holding +inf and -inf is NaN.
                 let ok = match (i, j) {
-                    (3 | 7, _) => g.is_nan(),
+                    (3 | 7 | 50 | 60, _) => g.is_nan(),
                     (100, _) | (_, 40) => g.is_nan() || g.is_infinite(),
                     (120, _) => {
                         let exact: f64 = (0..k).map(|kk| a.at(0, 120, kk) * b.at(0, kk, j)).sum();
                         let scale: f64 = (0..k).map(|kk| (a.at(0, 120, kk) * b.at(0, kk, j)).abs()).sum();
                         // 3xTF32 holds a value below 2^-115 to 2^-136 absolute (gemm_tf32x3.rs:
                         // TF32 has no bits below that), so each product is off by up to 2^-136
-                        // times the other factor (2^-135 leaves room for both roundings).
+                        // times the other factor (2^-135 leaves room for both roundings). Plain
+                        // TF32 rounds A's denormals to 2^-137 absolute, and B's normal values to
+                        // 2^-11 relative: 2^-11 of each product more.
                         let tiny = match precision {
                             Precision::Highest => 0.0,
                             _ => 2f64.powi(-135) * (0..k).map(|kk| b.at(0, kk, j).abs()).sum::<f64>(),
                         };
-                        g.is_finite() && ((g as f64) - exact).abs() <= 1e-4 * scale + tiny + 1e-44
+                        let rel = if precision == Precision::Tf32 { 1e-4 + 2f64.powi(-11) } else { 1e-4 };
+                        g.is_finite() && ((g as f64) - exact).abs() <= rel * scale + tiny + 1e-44
                     }
                     _ => g.is_finite(),
                 };
@@ -389,9 +418,10 @@ fn deterministic(dev: &Device) -> Result<(), String> {
 
 /// `Device::set_f32_matmul_precision` reaches the products that name no precision (`matmul`,
 /// the linear layer): with Tf32x3 set, `matmul` gives the bits of an explicit 3xTF32 product
-/// (and not those of the FMA kernel); set back, those of the FMA kernel. The other tests name
-/// their precision or use shapes below the 3xTF32 threshold, so they see no difference while
-/// this one runs.
+/// (and not those of the FMA kernel); with Tf32 set, `matmul` and `linear` give those of explicit
+/// plain TF32 products (and not those of the other two); set back, those of the FMA kernel. The
+/// other tests name their precision or use shapes below the 3xTF32 threshold and the default
+/// precision elsewhere, and this one sets it back before it returns.
 fn device_precision(dev: &Device) -> Result<(), String> {
     let n = 512; // C of 2^18 elements, K = 512: 3xTF32 runs its own kernel.
     let mut rng = TestRng::new(21);
@@ -421,6 +451,31 @@ fn device_precision(dev: &Device) -> Result<(), String> {
     }
     if implicit()? != fma {
         return Err("set back to Highest, matmul did not run the FMA kernel".into());
+    }
+
+    // Plain TF32, through matmul and through the linear layer (x W^T: B transposed).
+    let tf32 = explicit(Precision::Tf32)?;
+    if tf32 == fma || tf32 == tf32x3 {
+        return Err("the TF32 kernel gave the bits of the FMA or 3xTF32 kernel".into());
+    }
+    let linear_explicit = {
+        let mut c = Tensor::empty(dev, &[n, n], DType::F32).map_err(e)?;
+        let g = Gemm { precision: Some(Precision::Tf32), ..Gemm::new(false, true) };
+        ops::gemm(&a, &b, &mut c, g).map_err(e)?;
+        c.to_vec::<f32>().map_err(e)?.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    dev.set_f32_matmul_precision(Precision::Tf32);
+    let got = implicit();
+    let got_linear = ops::linear(&a, &b, None, Activation::Identity)
+        .and_then(|y| y.to_vec::<f32>())
+        .map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+    let reported = dev.f32_matmul_precision();
+    dev.set_f32_matmul_precision(Precision::Highest);
+    if reported != Precision::Tf32 || got? != tf32 {
+        return Err("with Tf32 set, matmul did not run the TF32 kernel".into());
+    }
+    if got_linear.map_err(e)? != linear_explicit {
+        return Err("with Tf32 set, linear did not run the TF32 kernel".into());
     }
     Ok(())
 }

@@ -1,8 +1,8 @@
 //! Matrix products in f32 (host side of `kernels-gpu/src/gemm.rs` and
 //! `kernels-gpu/src/gemm_tf32x3.rs`): `C = alpha * op(A) @ op(B) + beta * C` for row-major
 //! matrices, batched over a leading dimension, with an optional fused epilogue `act(... +
-//! bias)`, in f32 FMAs or, by choice ([`Precision`]), 3xTF32 on the tensor cores. Both families
-//! take the same parameters, tiles and grid.
+//! bias)`, in f32 FMAs or, by choice ([`Precision`]), 3xTF32 or plain TF32 on the tensor cores.
+//! The families take the same parameters, tiles and grid.
 //!
 //! Launch logic: one block per 128 x 128 tile of C and per batch. When C has fewer tiles than
 //! the GPU has SMs and K is long enough to share out, K is split into slices computed as a batch
@@ -20,7 +20,7 @@ use kernels_gpu::gemm::{
     BK, EPI_GELU, EPI_GELU_TANH, EPI_IDENTITY, EPI_RELU, EPI_SILU, GemmArgs, SPLITK_THREADS, SplitKReduceArgs,
     TILE_128, Tile, gemm_kernel, gemm_splitk_reduce,
 };
-use kernels_gpu::gemm_tf32x3::{self as tf32x3, tf32x3_kernel};
+use kernels_gpu::gemm_tf32x3::{self as tf32x3, tf32_kernel, tf32x3_kernel};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -63,7 +63,8 @@ impl Gemm {
 }
 
 /// How an f32 product is computed: the levels of PyTorch's `torch.set_float32_matmul_precision`
-/// that keep f32 accuracy.
+/// that keep f32 accuracy ([`Precision::Highest`], [`Precision::Tf32x3`]) and, as an explicit
+/// opt-in of speed over accuracy, its plain TF32 ([`Precision::Tf32`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
     /// f32 fused multiply-adds on the CUDA cores: PyTorch's `"highest"` (its default), cuBLAS's
@@ -77,7 +78,7 @@ pub enum Precision {
     /// values and 2.2e-7 (FMAs 8.0e-8) on uniform [0, 1) ones; TF32 alone gave 2.9e-4 and 5.6e-6
     /// (docs/worklog.md, 2026-11-24b-gemm). Values below 2^-115 in magnitude are held to 2^-136
     /// absolute.
-    /// PyTorch's `"high"` is plain TF32 (or bf16x3), not this.
+    /// PyTorch's `"high"` is plain TF32 ([`Precision::Tf32`]), not this.
     ///
     /// Products with a short K (under 256) or a small C (under 2^18 elements) run the FMA kernel
     /// instead, which is faster there and at least as accurate; so does every product on a GPU
@@ -87,6 +88,19 @@ pub enum Precision {
     /// [`Precision::Tf32x3`] on every shape, also where the FMA kernel is faster (for tests and
     /// measurements of the 3xTF32 kernel on small products).
     Tf32x3Always,
+    /// Plain TF32 on the tensor cores (kernels-gpu/src/gemm_tf32x3.rs, `gemm_tf32_*`): PyTorch's
+    /// `"high"` (`torch.backends.cuda.matmul.allow_tf32 = True`), cuBLAS's TF32 mode. Each
+    /// operand is rounded to TF32 (10 mantissa bits, to nearest: within 2^-11 of itself, 2^-137
+    /// absolute below 2^-126) and the tensor core multiplies the roundings exactly, so each
+    /// product term errs by up to `(2 * 2^-11 + 2^-22) |a b|`, about 2^-10, before the f32 sum
+    /// over K (as [`Precision::Tf32x3`]'s). About 1000x the error of the other precisions: cuBLAS
+    /// in TF32 gave 2.9e-4 relative against f64 on normal values at K = 4096, where FMAs gave
+    /// 3.0e-7 (docs/worklog.md, 2026-11-24b-gemm).
+    ///
+    /// Unlike [`Precision::Tf32x3`], every shape runs TF32, small products included: the choice
+    /// is an explicit one for the tensor cores' speed. Only a GPU with less shared memory a block
+    /// than the kernel's ring needs runs the FMA kernel (more accurate than asked).
+    Tf32,
 }
 
 /// The precision set per device by [`Device::set_f32_matmul_precision`], by ordinal (one
@@ -110,11 +124,13 @@ impl Device {
 }
 
 /// The kernel family a product of `m x k` by `k x n` (`batch` of them) runs in, on a GPU whose
-/// blocks may have `max_shared` bytes of shared memory: the 3xTF32 kernels need
+/// blocks may have `max_shared` bytes of shared memory: the 3xTF32 and TF32 kernels need
 /// [`tf32x3::SMEM_BYTES`] (an H100 or A100 has them; GPUs with less run the FMA kernel).
 fn resolve(precision: Precision, (batch, m, n, k): (u64, u64, u64, u64), max_shared: u32) -> Precision {
     match precision {
-        Precision::Tf32x3 | Precision::Tf32x3Always if max_shared < tf32x3::SMEM_BYTES => Precision::Highest,
+        Precision::Tf32x3 | Precision::Tf32x3Always | Precision::Tf32 if max_shared < tf32x3::SMEM_BYTES => {
+            Precision::Highest
+        }
         Precision::Tf32x3 if k < 256 || batch * m * n < 1 << 18 => Precision::Highest,
         Precision::Tf32x3Always => Precision::Tf32x3,
         p => p,
@@ -287,10 +303,14 @@ fn launch_tiles(
     epi: u32,
     alpha_beta: (f32, f32),
 ) -> Result<()> {
-    // The 3xTF32 kernels have the same tile, grid and parameters, their own block and ring.
+    // The 3xTF32 and TF32 kernels have the same tile, grid and parameters, their own block and
+    // ring.
     let (kernel, threads, shared_bytes) = match g.precision.unwrap_or_default() {
         Precision::Highest => (gemm_kernel(g.trans_a, g.trans_b, tile), tile.threads(), tile.smem_bytes()),
-        _ => (tf32x3_kernel(g.trans_a, g.trans_b), tf32x3::THREADS, tf32x3::SMEM_BYTES),
+        Precision::Tf32 => (tf32_kernel(g.trans_a, g.trans_b), tf32x3::THREADS, tf32x3::SMEM_BYTES),
+        Precision::Tf32x3 | Precision::Tf32x3Always => {
+            (tf32x3_kernel(g.trans_a, g.trans_b), tf32x3::THREADS, tf32x3::SMEM_BYTES)
+        }
     };
     debug_assert_eq!((tile.bm, tile.bn), (tf32x3::BM, tf32x3::BN));
     let rows_per_launch = MAX_GRID_YZ * tile.bm as u64;
@@ -344,7 +364,7 @@ fn launch_tiles(
 /// accepts. A, B and C are matrices (2-D) or batches (3-D); a 2-D A or B is shared by every
 /// matrix of a batched C. Any sizes, empty ones included (`k = 0` gives `act(beta * C + bias)`).
 ///
-/// Dtypes: A, B and C all f32 (f32 FMAs or 3xTF32, [`Precision`]); or A and B both bf16 or both
+/// Dtypes: A, B and C all f32 (f32 FMAs, 3xTF32 or TF32, [`Precision`]); or A and B both bf16 or both
 /// f16, on the tensor cores with f32 accumulation, C (and bias) bf16, f16 or f32, the result
 /// rounded once to C's dtype ([`mod@super::gemm_tc`]; `g.precision` does not apply). Other
 /// mixes are an [`Error::InvalidArgument`]. [`gemm_fused`](super::gemm_fused) adds a row bias
@@ -399,7 +419,7 @@ pub(crate) fn gemm_dims(
         return Ok(());
     }
     let dev = a.device().clone();
-    // From here on `precision` names the kernel family: Highest or Tf32x3.
+    // From here on `precision` names the kernel family: Highest, Tf32x3 or Tf32.
     let precision = g.precision.unwrap_or(dev.f32_matmul_precision());
     let g = Gemm { precision: Some(resolve(precision, (batch, m, n, k), dev.max_shared_bytes())), ..g };
     let (ar, ac) = if g.trans_a { (k, m) } else { (m, k) };
@@ -523,9 +543,18 @@ mod tests {
         assert_eq!(resolve(Precision::Tf32x3Always, (1, 1, 1, 1), h100), Precision::Tf32x3);
         assert_eq!(resolve(Precision::Highest, (1, 4096, 4096, 4096), h100), Precision::Highest);
         // A GPU with 99 KiB of shared memory a block (sm_86, sm_89) cannot run them.
-        for p in [Precision::Tf32x3, Precision::Tf32x3Always] {
+        for p in [Precision::Tf32x3, Precision::Tf32x3Always, Precision::Tf32] {
             assert_eq!(resolve(p, (1, 4096, 4096, 4096), 99 * 1024), Precision::Highest);
         }
+    }
+
+    #[test]
+    fn tf32_runs_on_every_shape_the_gpu_allows() {
+        let h100 = 227 * 1024;
+        for shape in [(1, 4096, 4096, 4096), (1, 8192, 8192, 128), (1, 64, 1024, 1024), (1, 1, 1, 1), (3, 0, 5, 0)] {
+            assert_eq!(resolve(Precision::Tf32, shape, h100), Precision::Tf32, "{shape:?}");
+        }
+        assert_eq!(resolve(Precision::Tf32, (1, 1, 1, 1), tf32x3::SMEM_BYTES - 1), Precision::Highest);
     }
 
     #[test]

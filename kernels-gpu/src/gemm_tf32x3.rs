@@ -1,5 +1,10 @@
-//! SGEMM on the tensor cores with f32 accuracy ("3xTF32"): the same product, operands and
-//! epilogue as [`crate::gemm`], for callers who choose `Precision::Tf32x3` on the host.
+//! SGEMM on the tensor cores: the same product, operands and epilogue as [`crate::gemm`], in
+//! two precisions, one kernel body generic over which (`SPLIT`):
+//! - "3xTF32" (`gemm_tf32x3_*`, `SPLIT = true`), f32 accuracy, for callers who choose
+//!   `Precision::Tf32x3` on the host;
+//! - plain TF32 (`gemm_tf32_*`, `SPLIT = false`), PyTorch's `"high"`, for `Precision::Tf32`:
+//!   each operand rounded once to TF32 ([`round_tf32`]) and one tensor-core product per pair of
+//!   fragments, about 3x fewer tensor-core instructions for an error of about 2^-10 per product.
 //!
 //! # The arithmetic
 //! A tensor core multiplies TF32 values (f32 with 10 mantissa bits instead of 23) exactly and
@@ -7,17 +12,21 @@
 //! 2^-21 of its magnitude. Then `a * b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi`: three tensor-core
 //! products (the dropped `a_lo b_lo` is below 2^-22 of `a b`). That is a few times the rounding
 //! of one f32 FMA (2^-24), and below the error of f32 accumulation over a long K, which both
-//! this and the FFMA kernel have; benches/gemm.rs measures both, and cuBLAS, against f64.
+//! this and the FFMA kernel have; benches/gemm.rs measures both, and cuBLAS, against f64. Plain
+//! TF32 keeps `hi` alone, rounded to nearest as cuBLAS and PyTorch round: `a_hi b_hi` is within
+//! `2 * 2^-11 + 2^-22` of `a b`.
 //!
 //! The tensor core's own additions truncate (round toward zero) rather than round to nearest,
 //! a bias that grows with K: summed on the tensor core throughout, the relative error of a
 //! 4096-long product of uniform [0, 1) values was 2.3e-6, against 8.0e-8 for f32 FMAs
 //! (docs/worklog.md, 2026-11-24b-gemm). So each stage's products (32 steps of K) are summed on the
 //! tensor core from zero and then added to the f32 accumulators with ordinary rounded adds: 2.2e-7
-//! there, and 2.7e-7 against the FMAs' 3.0e-7 on normal values.
+//! there, and 2.7e-7 against the FMAs' 3.0e-7 on normal values. Plain TF32 keeps these adds too:
+//! one FADD per tensor-core product of a stage, against the bias growing past the operands'
+//! rounding error (which averages out as `1 / sqrt(K)`) at K of a few thousand.
 //!
 //! Infinities and NaN give what IEEE arithmetic gives; the limits at the ends of the range
-//! (above 3.4024e38, below 2^-115) are in [`split_tf32`].
+//! (above 3.4024e38, below 2^-115) are in [`split_tf32`] and [`round_tf32`].
 //!
 //! # The design
 //! - 128 x 128 tiles of C per block of 256 threads (8 warps, 2 x 4, each a 64 x 32 block of C:
@@ -71,10 +80,17 @@ pub const fn tf32x3_kernel(trans_a: bool, trans_b: bool) -> crate::kernel::Kerne
     TF32X3.of(trans_a, trans_b)
 }
 
-/// Every kernel of this family: its name and arity (for the test against the PTX).
+/// The plain TF32 kernel for the transposes of A and B.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn tf32_kernel(trans_a: bool, trans_b: bool) -> crate::kernel::Kernel<GemmArgs> {
+    TF32.of(trans_a, trans_b)
+}
+
+/// Every kernel of this family (3xTF32, then plain TF32): its name and arity (for the test
+/// against the PTX).
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
-    TF32X3.0.map(|k| k.entry()).into_iter()
+    TF32X3.0.into_iter().chain(TF32.0).map(|k| k.entry())
 }
 
 /// `x = hi + lo` as the tensor cores take them (TF32 in the bits of an f32). `hi` is `x` rounded
@@ -96,11 +112,36 @@ pub fn split_tf32(x: f32) -> (u32, u32) {
     (hi, lo.to_bits())
 }
 
+/// `x` rounded to TF32 for plain TF32: to nearest, ties away from zero, as `cvt.rna.tf32.f32`
+/// (cuBLAS's and PyTorch's rounding), so within `2^-11 |x|` of `x` (2^-137 absolute below
+/// 2^-126).
+/// Written as integer arithmetic, like [`split_tf32`]'s `hi` but unmasked: adding half a TF32
+/// step carries into the kept bits exactly when the dropped ones reach half a step, and the
+/// tensor core ignores the low 13 bits as it reads the operand (as it does `lo`'s above).
+///
+/// - `x = ±inf` stays `±inf`; a finite `x` above 3.4024e38 in magnitude rounds to `±inf`, as
+///   `cvt.rna` does.
+/// - `x = NaN` gives a NaN (`0x7fff_ffff`): the carry would turn a NaN whose top 10 mantissa bits
+///   are set (the GPU's own `0x7fff_ffff` among them) into ±0, and one with only the low 13 bits
+///   set reads as ±inf.
+#[inline(always)]
+pub fn round_tf32(x: f32) -> u32 {
+    if x.is_nan() { 0x7fff_ffff } else { x.to_bits().wrapping_add(0x1000) }
+}
+
 #[cfg(target_arch = "nvptx64")]
 mod device {
     use super::*;
     use crate::gemm::epilogue;
     use crate::prim;
+
+    /// An element's TF32 parts as the tensor core takes them: [`split_tf32`] for 3xTF32, else
+    /// [`round_tf32`] and no `lo` (unused, compiled away).
+    #[inline(always)]
+    fn tf32_parts<const SPLIT: bool>(bits: u32) -> (u32, u32) {
+        let x = f32::from_bits(bits);
+        if SPLIT { split_tf32(x) } else { (round_tf32(x), 0) }
+    }
 
     /// Chunks (16 bytes) of one operand a thread copies per stage: 128 x 32 floats / 4 / 256
     /// (the loops over them are written out for 4: `unroll!`).
@@ -194,11 +235,11 @@ mod device {
         }
     }
 
-    /// The 3xTF32 GEMM of one 128 x 128 tile of C. `KA = !TA` (A's rows run along K unless it
-    /// is transposed); B's rows run along K when it is transposed.
+    /// The GEMM of one 128 x 128 tile of C, in 3xTF32 (`SPLIT`) or plain TF32. `KA = !TA` (A's
+    /// rows run along K unless it is transposed); B's rows run along K when it is transposed.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemm<const TA: bool, const KA: bool, const TB: bool>(
+    pub unsafe fn gemm<const TA: bool, const KA: bool, const TB: bool, const SPLIT: bool>(
         a: *const f32,
         b: *const f32,
         c: *mut f32,
@@ -295,7 +336,7 @@ mod device {
                     // b = [B(t, g), B(t + 4, g)] (prim.rs).
                     let v = pair(TB, pb, NI * 8, KS);
                     unroll!(Q: usize; 0 1 => {
-                        let (h, l) = split_tf32(f32::from_bits(v[Q]));
+                        let (h, l) = tf32_parts::<SPLIT>(v[Q]);
                         bh[NI as usize][Q] = h;
                         bl[NI as usize][Q] = l;
                     });
@@ -307,15 +348,17 @@ mod device {
                     let mut al = [0u32; 4];
                     unroll!(J: usize; 0 1 2 3 => {
                         let v = if J % 2 == 0 { top[J / 2] } else { bottom[J / 2] };
-                        let (h, l) = split_tf32(f32::from_bits(v));
+                        let (h, l) = tf32_parts::<SPLIT>(v);
                         ah[J] = h;
                         al[J] = l;
                     });
                     unroll!(NI: usize; 0 1 2 3 => {
                         let d = &mut part[MI as usize][NI];
                         // The small terms first, while the sum is small.
-                        *d = prim::mma_tf32_16x8x8(al, bh[NI], *d);
-                        *d = prim::mma_tf32_16x8x8(ah, bl[NI], *d);
+                        if SPLIT {
+                            *d = prim::mma_tf32_16x8x8(al, bh[NI], *d);
+                            *d = prim::mma_tf32_16x8x8(ah, bl[NI], *d);
+                        }
                         *d = prim::mma_tf32_16x8x8(ah, bh[NI], *d);
                     });
                 });
@@ -361,21 +404,22 @@ mod device {
     }
 }
 
-// The instances, in the order of `Layouts`.
-macro_rules! tf32x3_kernels {
-    ([$nn:ident, $nt:ident, $tn:ident, $tt:ident]) => {
-        tf32x3_kernels!(@one $nn: false, false);
-        tf32x3_kernels!(@one $nt: false, true);
-        tf32x3_kernels!(@one $tn: true, false);
-        tf32x3_kernels!(@one $tt: true, true);
+// The instances, in the order of `Layouts`: `$split` chooses 3xTF32 or plain TF32.
+macro_rules! tf32_kernels {
+    ($family:ident, $split:literal, [$nn:ident, $nt:ident, $tn:ident, $tt:ident]) => {
+        tf32_kernels!(@one $nn: false, false, $split);
+        tf32_kernels!(@one $nt: false, true, $split);
+        tf32_kernels!(@one $tn: true, false, $split);
+        tf32_kernels!(@one $tt: true, true, $split);
         /// The family's kernels by layout.
         #[cfg(not(target_arch = "nvptx64"))]
-        pub const TF32X3: crate::gemm::Layouts = crate::gemm::Layouts([$nn, $nt, $tn, $tt]);
+        pub const $family: crate::gemm::Layouts = crate::gemm::Layouts([$nn, $nt, $tn, $tt]);
     };
-    (@one $name:ident: $ta:literal, $tb:literal) => {
+    (@one $name:ident: $ta:literal, $tb:literal, $split:literal) => {
         crate::kernel!($name: GemmArgs = |a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi|
-            device::gemm::<$ta, { !$ta }, $tb>(a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi));
+            device::gemm::<$ta, { !$ta }, $tb, $split>(a, b, c, bias, m, n, k, lda, ldb, ldc, alpha, beta, sa, sb, sc, epi));
     };
 }
 
-tf32x3_kernels!([gemm_tf32x3_nn, gemm_tf32x3_nt, gemm_tf32x3_tn, gemm_tf32x3_tt]);
+tf32_kernels!(TF32X3, true, [gemm_tf32x3_nn, gemm_tf32x3_nt, gemm_tf32x3_tn, gemm_tf32x3_tt]);
+tf32_kernels!(TF32, false, [gemm_tf32_nn, gemm_tf32_nt, gemm_tf32_tn, gemm_tf32_tt]);

@@ -32,11 +32,18 @@ def cuda_available():
 
 def set_float32_matmul_precision(precision, device=0):
     """How the f32 products of ``kernels_torch.linear`` (and ``nn.Linear``) on CUDA device
-    ``device`` (an index) are computed, for the whole process: ``"highest"`` (f32 FMAs, the
-    default, as PyTorch's default) or ``"tf32x3"``: the tensor cores with f32 accuracy, each
-    operand split into two TF32 parts (relative error against float64 measured at the level of
-    f32 FMAs; PyTorch's own ``"high"`` is plain TF32, about 1000x less exact). Products with a
-    short K or a small output run the FMA kernel either way."""
+    ``device`` (an index) are computed, for the whole process:
+
+    - ``"highest"``: f32 FMAs, the default, as PyTorch's default.
+    - ``"tf32x3"``: the tensor cores with f32 accuracy, each operand split into two TF32 parts
+      (relative error against float64 measured at the level of f32 FMAs). Products with a short
+      K or a small output run the FMA kernel.
+    - ``"high"`` (or ``"tf32"``): plain TF32 on the tensor cores, as PyTorch's ``"high"``
+      (``torch.backends.cuda.matmul.allow_tf32 = True``): each operand rounded to 10 mantissa
+      bits, so each product errs by about ``2**-10`` of itself before the f32 sum, about 1000x
+      less exact than the others. An explicit choice of speed: every shape runs it.
+
+    ``get_float32_matmul_precision`` reports ``"high"`` for both spellings."""
     _native.set_f32_matmul_precision(int(device), str(precision))
 
 

@@ -787,16 +787,19 @@ fn cuda_status(py: Python<'_>) -> (bool, String) {
 }
 
 /// Sets how device `ordinal`'s f32 products (the linear layer's) are computed: `"highest"` (f32
-/// FMAs, the default) or `"tf32x3"` (the tensor cores with f32 accuracy; `Precision::Tf32x3` of
-/// the Rust API). For every caller in the process, as `torch.set_float32_matmul_precision`.
+/// FMAs, the default), `"tf32x3"` (the tensor cores with f32 accuracy; `Precision::Tf32x3` of
+/// the Rust API) or `"high"` (alias `"tf32"`: plain TF32, PyTorch's `"high"`, about 2^-10 per
+/// product; `Precision::Tf32`). For every caller in the process, as
+/// `torch.set_float32_matmul_precision`.
 #[pyfunction]
 fn set_f32_matmul_precision(py: Python<'_>, ordinal: usize, precision: &str) -> PyResult<()> {
     let p = match precision {
         "highest" => Precision::Highest,
         "tf32x3" => Precision::Tf32x3,
+        "high" | "tf32" => Precision::Tf32,
         other => {
             return Err(PyValueError::new_err(format!(
-                "set_f32_matmul_precision: {other:?} is not a precision (\"highest\" or \"tf32x3\")"
+                "set_f32_matmul_precision: {other:?} is not a precision (\"highest\", \"tf32x3\" or \"high\")"
             )));
         }
     };
@@ -809,7 +812,8 @@ fn f32_matmul_precision(py: Python<'_>, ordinal: usize) -> PyResult<&'static str
     let p = py.detach(|| device(ordinal).map(|d| d.f32_matmul_precision())).map_err(to_py)?;
     Ok(match p {
         Precision::Highest => "highest",
-        _ => "tf32x3",
+        Precision::Tf32 => "high",
+        Precision::Tf32x3 | Precision::Tf32x3Always => "tf32x3",
     })
 }
 

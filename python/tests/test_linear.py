@@ -5,7 +5,7 @@
 Tolerance: a worst-case bound per element, not a fitted one (none was widened to pass).
 ``u = 2^-24`` is f32's unit roundoff. Each pre-activation ``z = sum_k x_k w_k + b`` is a sum of K
 products and the bias accumulated in f32 with FMAs, in some order (one running sum per thread, or
-split-K's ``s <= K / 512`` slices added in order); any such summation errs by at most ``(K + s) u
+split-K's ``s <= K / 256`` slices added in order); any such summation errs by at most ``(K + s) u
 S`` to first order, ``S = sum_k |x_k w_k| + |b|``, and the store adds a few roundings: ``|z -
 z_exact| <= (K + s + 4) u S`` (the bound of the library's GEMM tests, ``tests/gemm.rs``). The
 activation passes that error on with its slope (at most 1.13 for GELU, 1.1 for SiLU; 1.2 is used)
@@ -18,6 +18,14 @@ u S'`` for their own sums (K' = out and rows) and pass dz's error on through ``|
 ``db``, a column sum of ``rows`` terms in some order, adds ``(rows + 4) u sum |dz|``. The tests
 also print the largest error as a fraction of its bound (typically near ``sqrt(K) / K`` of it:
 random rounding errors cancel).
+
+Plain TF32 (``set_float32_matmul_precision("high")``) rounds each operand of every product (the
+forward's and the backward's) to TF32, to nearest: ``x' = x (1 + d)``, ``|d| <= 2^-11`` (half a
+step of 10 mantissa bits; normal values, as the random data are). The tensor core multiplies
+``x' w'`` exactly, so each term errs by ``|x w| |dx + dw + dx dw| <= rho |x w|``, ``rho = 2^-10 +
+2^-22``; the sum of the rounded terms then errs as 3xTF32's does, of ``S' <= S + rho S_p``
+(``S_p = sum_k |x_k w_k|``, without the bias): in all ``sum_terms(K) u S + rho (1 + sum_terms(K)
+u) S_p`` (``operand_terms``).
 """
 
 import math
@@ -52,11 +60,19 @@ def randn(*shape, scale=1.0, seed=0):
     return torch.randn(*shape, generator=g, device=DEV) * scale
 
 
-def sum_terms(k: int, tf32x3: bool = False) -> int:
-    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 512), 4.
+def sum_terms(k: int, precision: str = "highest") -> int:
+    """Roundings on a sum of k products in the GEMM: k, split-K's slices (at most k / 256), 4.
     In 3xTF32 (``tests/gemm.rs``): each product off by up to 24 u of itself, the tensor core's
-    truncating additions up to 1.5 k u: ``2 k + s + 32``."""
-    return 2 * k + k // 512 + 32 if tf32x3 else k + k // 512 + 4
+    truncating additions up to 1.5 k u: ``2 k + s + 32``; plain TF32 ("high") sums as 3xTF32."""
+    return k + k // 256 + 4 if precision == "highest" else 2 * k + k // 256 + 32
+
+
+RHO = 2.0**-10 + 2.0**-22  # plain TF32: a product of two operands rounded to TF32, relative
+
+
+def operand_terms(k: int, precision: str = "highest") -> float:
+    """Plain TF32's further error, a multiple of ``S_p = sum |x w|`` (module docstring)."""
+    return RHO * (1 + sum_terms(k, precision) * U) if precision == "high" else 0.0
 
 
 def act_fwd_tol(act, z, y):
@@ -81,7 +97,7 @@ class Reference:
     """F.linear and the activation in float64 on the f32 inputs, their gradients given dy, and
     the error bounds of the module docstring."""
 
-    def __init__(self, x, w, b, act, dy, tf32x3=False):
+    def __init__(self, x, w, b, act, dy, precision="highest"):
         k, out = w.shape[1], w.shape[0]
         xd = x.detach().double().requires_grad_()
         wd = w.detach().double().requires_grad_()
@@ -96,10 +112,9 @@ class Reference:
         z = z.detach()
         x2, z2, dy2 = xd.detach().reshape(-1, k), z.reshape(-1, out), dyd.reshape(-1, out)
         rows = x2.shape[0]
-        s = x2.abs() @ wd.detach().abs().T
-        if bd is not None:
-            s = s + bd.detach().abs()
-        zerr = sum_terms(k, tf32x3) * U * s
+        sp = x2.abs() @ wd.detach().abs().T
+        s = sp + bd.detach().abs() if bd is not None else sp
+        zerr = sum_terms(k, precision) * U * s + operand_terms(k, precision) * sp
         self.ytol = (SLOPE[act] * zerr + act_fwd_tol(act, z2, self.y.reshape(-1, out))).reshape(self.y.shape)
         # dz = act'(z) dy, exactly, and its error bound.
         zl = z2.clone().requires_grad_()
@@ -111,8 +126,14 @@ class Reference:
         else:
             dzerr = 0.8 * dy2.abs() * zerr + act_bwd_tol(act, z2, dy2, dz)
         wa, xa = wd.detach().abs(), x2.abs()
-        self.dxtol = (sum_terms(out, tf32x3) * U * dz @ wa + dzerr @ wa).reshape(x.shape)
-        self.dwtol = sum_terms(rows, tf32x3) * U * dz.T @ xa + dzerr.T @ xa
+        # TF32 rounds the computed dz, within dzerr of dz.
+        da = dz + dzerr
+        self.dxtol = (
+            sum_terms(out, precision) * U * dz @ wa + dzerr @ wa + operand_terms(out, precision) * da @ wa
+        ).reshape(x.shape)
+        self.dwtol = (
+            sum_terms(rows, precision) * U * dz.T @ xa + dzerr.T @ xa + operand_terms(rows, precision) * da.T @ xa
+        )
         self.dbtol = (rows + 4) * U * dz.sum(0) + dzerr.sum(0)
 
 
@@ -131,9 +152,9 @@ def within(what, ours, ref, tol, dtype=torch.float32) -> float:
     return (err / tol.clamp_min(1e-300)).max().item() if ref.numel() else 0.0
 
 
-def check_layer(f, x, w, b, act, dy, what, tf32x3=False):
+def check_layer(f, x, w, b, act, dy, what, precision="highest"):
     """f(x, w, b) forward and backward against the reference; returns the worst error / bound."""
-    r = Reference(x, w, b, act, dy, tf32x3)
+    r = Reference(x, w, b, act, dy, precision)
     # detach() keeps the storage, offset and strides: views stay views.
     leaves = [t.detach().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
     y = f(*leaves) if b is not None else f(*leaves, None)
@@ -183,14 +204,52 @@ def test_linear_tf32x3_against_float64():
         tc = kt.linear(x, w, b, "gelu")
         for act in ["relu", "gelu"]:
             f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
-            worst = check_layer(f, x, w, b, act, dy, f"tf32x3 {act}", tf32x3=True)
+            worst = check_layer(f, x, w, b, act, dy, f"tf32x3 {act}", precision="tf32x3")
             print(f"linear tf32x3 {act}: largest error {worst:.3f} of the bound")
     finally:
         kt.set_float32_matmul_precision("highest")
     assert not torch.equal(fma, tc), "tf32x3 gave the FMA kernel's bits: the setting did not reach the layer"
     assert torch.equal(kt.linear(x, w, b, "gelu"), fma), "set back to highest, the layer did not run FMAs"
     with pytest.raises(ValueError, match="not a precision"):
+        kt.set_float32_matmul_precision("medium")
+
+
+def test_linear_tf32_high_against_float64():
+    """With ``set_float32_matmul_precision("high")`` (PyTorch's name for plain TF32; ``"tf32"`` is
+    the same) the layer runs plain TF32, forward and backward, within the TF32 bound of the
+    module docstring, on 512 rows x 512 outputs (K = 512) and on the odd and split-K shapes; its
+    bits differ from both the FMA and the 3xTF32 kernels' (the setting reached the layer); set
+    back, it runs FMAs again."""
+    shape, out = (512, 512), 512
+    x = randn(*shape, seed=80)
+    w = randn(out, shape[1], scale=1 / math.sqrt(shape[1]), seed=81)
+    b = randn(out, seed=82)
+    dy = randn(shape[0], out, seed=83)
+    assert kt.get_float32_matmul_precision() == "highest"
+    fma = kt.linear(x, w, b, "gelu")
+    kt.set_float32_matmul_precision("tf32x3")
+    try:
+        x3 = kt.linear(x, w, b, "gelu")
+        kt.set_float32_matmul_precision("tf32")
+        assert kt.get_float32_matmul_precision() == "high"
         kt.set_float32_matmul_precision("high")
+        assert kt.get_float32_matmul_precision() == "high"
+        tc = kt.linear(x, w, b, "gelu")
+        for act in ["identity", "relu", "gelu"]:
+            f = lambda x, w, b: kt.linear(x, w, b, act)  # noqa: E731
+            worst = check_layer(f, x, w, b, act, dy, f"tf32 {act}", precision="high")
+            print(f"linear tf32 {act}: largest error {worst:.3f} of the bound")
+        for n, (shp, o) in enumerate(SHAPES):
+            k = shp[-1]
+            xs, ws = randn(*shp, seed=90 + n), randn(o, k, scale=1 / math.sqrt(k), seed=100 + n)
+            bs, dys = randn(o, seed=110 + n), randn(*shp[:-1], o, seed=120 + n)
+            f = lambda x, w, b: kt.linear(x, w, b, "silu")  # noqa: E731
+            check_layer(f, xs, ws, bs, "silu", dys, f"tf32 silu {shp} -> {o}", precision="high")
+    finally:
+        kt.set_float32_matmul_precision("highest")
+    assert not torch.equal(tc, fma), "high gave the FMA kernel's bits: the setting did not reach the layer"
+    assert not torch.equal(tc, x3), "high gave the 3xTF32 kernel's bits, not plain TF32's"
+    assert torch.equal(kt.linear(x, w, b, "gelu"), fma), "set back to highest, the layer did not run FMAs"
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
