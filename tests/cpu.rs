@@ -181,3 +181,120 @@ fn linear_tc_bounds_admit_an_emulation_and_reject_wrong_paths() {
         }
     }
 }
+
+#[allow(dead_code)]
+#[path = "common/attention_ref.rs"]
+mod attention_ref;
+
+/// The attention bound (tests/common/attention_ref.rs) admits an f32 emulation of the kernel's
+/// path (blocks of 64 keys, the online softmax in log2 units, four partial row sums a row as the
+/// kernel's lanes hold them, P rounded to the dtype before `P V`) and rejects three wrong
+/// computations: O not rescaled when the row maximum grows, the scale `1/D` for `1/sqrt(D)`, and
+/// a causal mask off by one. So the GPU tests built on it can fail on such a kernel.
+#[test]
+fn attention_bound_admits_an_emulation_and_rejects_wrong_paths() {
+    use attention_ref::{row_ref, scale_of};
+
+    fn round(dt: DType, v: f32) -> f32 {
+        match dt {
+            DType::BF16 => half::bf16::from_f32(v).to_f32(),
+            DType::F16 => half::f16::from_f32(v).to_f32(),
+            DType::F32 => v,
+        }
+    }
+    /// One ulp of `dt` at `w` (the comparison's allowance for the output's rounding).
+    fn ulp(dt: DType, w: f64) -> f64 {
+        let (mant, min_exp) = if dt == DType::BF16 { (7, -126) } else { (10, -14) };
+        let e = if w == 0.0 { min_exp } else { (w.abs().log2().floor() as i32).max(min_exp) };
+        2f64.powi(e - mant)
+    }
+    type Key<'a> = (usize, &'a [f32], &'a [f32]);
+    /// The kernel's arithmetic for one row over `keys` (index, k, v), in increasing order;
+    /// `no_rescale` leaves O unscaled when the maximum grows.
+    fn emulate(dt: DType, scale: f32, q: &[f32], keys: &[Key], no_rescale: bool) -> (Vec<f32>, f32) {
+        let d = q.len();
+        let sl2 = scale * std::f32::consts::LOG2_E;
+        let (mut m, mut l, mut o) = (f32::NEG_INFINITY, [0.0f32; 4], vec![0.0f32; d]);
+        let mut at = 0;
+        while at < keys.len() {
+            let block = keys[at].0 / 64;
+            let end = at + keys[at..].iter().take_while(|k| k.0 / 64 == block).count();
+            let x: Vec<f32> = keys[at..end]
+                .iter()
+                .map(|(_, k, _)| q.iter().zip(k.iter()).fold(0.0f32, |s, (&a, &b)| s + a * b) * sl2)
+                .collect();
+            let m_new = x.iter().fold(m, |a, &b| a.max(b));
+            let base = if m_new == f32::NEG_INFINITY { 0.0 } else { m_new };
+            let alpha = (m - base).exp2();
+            m = m_new;
+            if !no_rescale {
+                o.iter_mut().for_each(|v| *v *= alpha);
+            }
+            let mut part = [0.0f32; 4];
+            for (n, key) in keys[at..end].iter().enumerate() {
+                let p = (x[n] - base).exp2();
+                // Lane t of a row holds keys 8J + 2t and 8J + 2t + 1 of the block.
+                part[key.0 % 8 / 2] += p;
+                let pr = round(dt, p);
+                for (oc, &vc) in o.iter_mut().zip(key.2) {
+                    *oc = pr.mul_add(vc, *oc);
+                }
+            }
+            for t in 0..4 {
+                l[t] = l[t] * alpha + part[t];
+            }
+            at = end;
+        }
+        let lt = (l[0] + l[1]) + (l[2] + l[3]);
+        let out = o.iter().map(|&v| round(dt, v / lt)).collect();
+        let base = if m == f32::NEG_INFINITY { 0.0 } else { m };
+        (out, base * std::f32::consts::LN_2 + lt.ln())
+    }
+
+    let sk = 300;
+    for (di, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        for (si, (d, scale)) in [(64usize, None), (128, Some(0.5f32))].into_iter().enumerate() {
+            let mut state = (4 * di + si) as u64;
+            let mut draw = |n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|_| {
+                        // Two uniforms (SplitMix64) to a normal, rounded to the dtype.
+                        let mut u = [0.0f64; 2];
+                        for x in &mut u {
+                            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                            let mut z = state;
+                            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                            *x = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
+                        }
+                        let g = (-2.0 * (1.0 - u[0]).ln()).sqrt() * (std::f64::consts::TAU * u[1]).cos();
+                        round(dt, g as f32)
+                    })
+                    .collect()
+            };
+            let (q, k, v) = (draw(sk * d), draw(sk * d), draw(sk * d));
+            let row = |x: &[f32], i: usize| x[i * d..(i + 1) * d].to_vec();
+            let sc = scale_of(scale, d);
+            // Causal rows: query i sees keys 0..=i (`extra`: one more, the off-by-one mask).
+            let passes = |i: usize, sc_used: f32, extra: usize, no_rescale: bool| -> bool {
+                let (ks, vs): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                    (0..(i + 1 + extra).min(sk)).map(|j| (row(&k, j), row(&v, j))).unzip();
+                let keys: Vec<Key> = (0..ks.len()).map(|j| (j, &ks[j][..], &vs[j][..])).collect();
+                let exact_keys: Vec<(&[f32], &[f32])> = (0..=i).map(|j| (&ks[j][..], &vs[j][..])).collect();
+                let r = row_ref(dt, sc, &row(&q, i), &exact_keys, sk);
+                let (o, lse) = emulate(dt, sc_used, &row(&q, i), &keys, no_rescale);
+                let o_ok = (0..d).all(|c| ((o[c] as f64) - r.o[c]).abs() <= r.o_tol[c] + ulp(dt, r.o[c]));
+                let lse_ok = ((lse as f64) - r.lse).abs() <= r.lse_tol + 2f64.powi(-23) * r.lse.abs();
+                o_ok && lse_ok
+            };
+            let rows: Vec<usize> = (0..sk).step_by(13).collect();
+            for &i in &rows {
+                assert!(passes(i, sc, 0, false), "{dt:?} D {d}: the emulation of row {i} fails its bound");
+            }
+            let what = format!("{dt:?} D {d}");
+            assert!(!rows.iter().all(|&i| passes(i, sc, 0, true)), "{what}: O without rescaling passed");
+            assert!(!rows.iter().all(|&i| passes(i, 1.0 / d as f32, 0, false)), "{what}: scale 1/D passed");
+            assert!(!rows.iter().all(|&i| passes(i, sc, 1, false)), "{what}: the mask off by one passed");
+        }
+    }
+}

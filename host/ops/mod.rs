@@ -2,6 +2,7 @@
 //! `kernels-gpu/src/`. Every op validates devices, dtypes and shapes before it launches, and
 //! returns an error naming itself and the offending shapes otherwise.
 
+pub mod attention;
 pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
@@ -17,6 +18,7 @@ pub mod reduce;
 pub mod softmax;
 pub mod transpose;
 
+pub use attention::{AttentionOpts, Causal, Layout, attention};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use gemm::*;
@@ -29,10 +31,10 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, softmax, norms, cross-entropy,
-/// reductions, transpose, the GEMM, init, the optimizer, the casts and the math probe), with the
-/// parameter count of the signature the host launches it with; checked against the PTX by the
-/// crate's unit tests (`host/ptx_tests.rs`). Each family derives its list from its declaration's
-/// typed handles.
+/// reductions, transpose, the GEMM, attention, init, the optimizer, the casts and the math
+/// probe), with the parameter count of the signature the host launches it with; checked against
+/// the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family derives its list from its
+/// declaration's typed handles.
 pub fn all_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::elementwise::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
@@ -45,6 +47,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_wgmma::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_tc::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::attention::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));

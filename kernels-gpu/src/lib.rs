@@ -38,6 +38,7 @@ macro_rules! unroll {
     }};
 }
 
+pub mod attention;
 pub mod cast;
 pub mod cross_entropy;
 pub mod dtype;

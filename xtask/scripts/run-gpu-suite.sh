@@ -127,7 +127,7 @@ fi
 NBIN=${#BINS[@]}
 # Binaries run a second time on the portable PTX (KERNELS_PTX_ARCH=sm_80): on an H100 the
 # tensor-core GEMMs then run their Ampere kernels (mma.sync) instead of the Hopper ones.
-SM80_RERUN=(gemm_tc linear_tc)
+SM80_RERUN=(gemm_tc linear_tc attention)
 SM80=()
 for i in $(seq 0 $((NBIN - 1))); do
   for r in "${SM80_RERUN[@]}"; do

@@ -1,0 +1,421 @@
+//! Scaled dot-product attention, forward, bf16 and f16 on the tensor cores (host side of
+//! `kernels-gpu/src/attention.rs`, FlashAttention-2 on `mma.sync`): [`attention`].
+
+use super::check::check_same_device;
+use crate::device::{Device, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use kernels_gpu::DType;
+use kernels_gpu::attention::{self as attn, AttentionArgs, AttnParams, fwd_kernel, padded_dim, smem_bytes};
+
+/// Which keys a query sees beyond the window ([`AttentionOpts::causal`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Causal {
+    /// Every key.
+    #[default]
+    None,
+    /// Query `i` sees keys `j <= i` (PyTorch's `is_causal`: the mask's diagonal starts at the
+    /// top left).
+    TopLeft,
+    /// Query `i` sees keys `j <= i + Sk - Sq` (FlashAttention's: the last query sees every key,
+    /// as with a KV cache). With `Sq > Sk` the first `Sq - Sk` queries see no key.
+    BottomRight,
+}
+
+/// How Q, K, V and the output are laid out in memory (contiguous tensors of rank 4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// `[batch, heads, seq, head_dim]` (PyTorch's `scaled_dot_product_attention`).
+    #[default]
+    Bhsd,
+    /// `[batch, seq, heads, head_dim]` (FlashAttention's; what a projection's output reshaped
+    /// gives without a transpose).
+    Bshd,
+}
+
+/// The options of [`attention`]. `AttentionOpts::default()` is plain attention: no mask, scale
+/// `1/sqrt(D)`, [`Layout::Bhsd`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttentionOpts {
+    /// The causal mask, if any.
+    pub causal: Causal,
+    /// The factor of `Q K^T`; `None`: `1/sqrt(D)`. Must be finite (any sign, or 0).
+    pub scale: Option<f32>,
+    /// A sliding window `(left, right)`: query `i` sees keys `j` with `c(i) - left <= j <= c(i) +
+    /// right`, where `c(i)` is the diagonal: `i` under [`Causal::TopLeft`], `i + Sk - Sq`
+    /// otherwise (bottom right, as FlashAttention's `window_size`). With a causal mask, `right`
+    /// is cut to 0. `(usize::MAX, 0)` with [`Causal::None`] is the bottom-right causal mask.
+    pub window: Option<(usize, usize)>,
+    /// The memory layout of Q, K, V and the output.
+    pub layout: Layout,
+}
+
+/// The shapes of one attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dims {
+    pub batch: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub d: usize,
+}
+
+/// Beyond every row: a band offset that sees all keys (kept far from i64's limits so the
+/// kernel's `i + lo`, `i + hi + 1` cannot overflow).
+const BIG: i64 = 1 << 33;
+
+/// The rank-4 shape `s` of a tensor as `(batch, heads, seq, head_dim)`.
+fn bhsd(layout: Layout, s: &[usize]) -> (usize, usize, usize, usize) {
+    match layout {
+        Layout::Bhsd => (s[0], s[1], s[2], s[3]),
+        Layout::Bshd => (s[0], s[2], s[1], s[3]),
+    }
+}
+
+/// The element strides `[batch, head, row]` of a contiguous tensor of shape `(b, h, s, d)`
+/// (batch, heads, seq, head dim) in `layout`.
+pub(crate) fn strides(layout: Layout, (_, h, s, d): (usize, usize, usize, usize)) -> [u64; 3] {
+    let (h, s, d) = (h as u64, s as u64, d as u64);
+    match layout {
+        Layout::Bhsd => [h * s * d, s * d, d],
+        Layout::Bshd => [s * h * d, d, h * d],
+    }
+}
+
+/// Checks the shapes of Q, K and V (rank 4 each, in `layout`) and returns them: K and V of one
+/// shape, Q's batch and head dim, a head dim that is a multiple of 8 from 8 to 256, query heads
+/// a multiple of the key/value heads, sequences below 2^31.
+pub(crate) fn dims(op: &'static str, layout: Layout, q: &[usize], k: &[usize], v: &[usize]) -> Result<Dims> {
+    for (what, s) in [("q", q), ("k", k), ("v", v)] {
+        if s.len() != 4 {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("{what} must have rank 4 ({layout:?}), got shape {s:?}"),
+            });
+        }
+    }
+    if k != v {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: k.to_vec(),
+            got: v.to_vec(),
+            detail: "v must have k's shape",
+        });
+    }
+    let (b, hq, sq, d) = bhsd(layout, q);
+    let (bk, hkv, sk, dk) = bhsd(layout, k);
+    if bk != b || dk != d {
+        let mut expected = k.to_vec();
+        expected[0] = b;
+        expected[3] = d;
+        return Err(Error::ShapeMismatch {
+            op,
+            expected,
+            got: k.to_vec(),
+            detail: "k and v must have q's batch and head dim",
+        });
+    }
+    if d == 0 || !d.is_multiple_of(8) || d > 256 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("the head dim must be a multiple of 8 from 8 to 256, got {d}"),
+        });
+    }
+    if (hkv == 0 && hq > 0) || (hkv > 0 && !hq.is_multiple_of(hkv)) {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("q's heads ({hq}) must be a multiple of k's and v's ({hkv})"),
+        });
+    }
+    let limit = i32::MAX as usize;
+    if sq > limit || sk > limit || hq > limit {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("sequences and heads must be below 2^31, got {sq} queries, {sk} keys, {hq} heads"),
+        });
+    }
+    Ok(Dims { batch: b, heads_q: hq, heads_kv: hkv, seq_q: sq, seq_k: sk, d })
+}
+
+/// The band of keys each query sees: key `j` is seen by query `i` iff `i + lo <= j <= i + hi`
+/// (and `j < Sk`), from the options' mask and window (see [`AttentionOpts::window`]).
+pub(crate) fn band(causal: Causal, window: Option<(usize, usize)>, seq_q: usize, seq_k: usize) -> (i64, i64) {
+    let off = if causal == Causal::TopLeft { 0 } else { seq_k as i64 - seq_q as i64 };
+    let far = |x: usize| (x as u64).min(BIG as u64) as i64;
+    let hi = match (causal, window) {
+        (Causal::None, None) => BIG,
+        (Causal::None, Some((_, right))) => off + far(right),
+        _ => off,
+    };
+    let lo = window.map_or(-BIG, |(left, _)| off - far(left));
+    (lo.clamp(-BIG, BIG), hi.clamp(-BIG, BIG))
+}
+
+/// How an attention is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// The kernel's padded head dim.
+    pub dp: u32,
+    /// Its dynamic shared memory.
+    pub smem: u32,
+    /// Blocks per (batch, head): `ceil(Sq / 64)`.
+    pub q_blocks: u32,
+    /// Batches per launch: the grid (`q_blocks * heads_q * batches`, one dimension) stays below
+    /// 2^31.
+    pub batches: usize,
+}
+
+/// The launch of `dims` on a GPU whose blocks may have `max_smem` bytes of dynamic shared
+/// memory: an error if the kernel for its head dim needs more, or a (batch, head) has more query
+/// blocks than a grid can hold.
+pub(crate) fn plan(op: &'static str, dims: &Dims, max_smem: u32) -> Result<Plan> {
+    let dp = padded_dim(dims.d as u32).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("the head dim must be a multiple of 8 from 8 to 256, got {}", dims.d),
+    })?;
+    let smem = smem_bytes(dp);
+    if smem > max_smem {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!(
+                "head dim {} needs {smem} bytes of shared memory a block; this GPU allows {max_smem}",
+                dims.d
+            ),
+        });
+    }
+    let q_blocks = dims.seq_q.div_ceil(attn::BM as usize);
+    let per_batch = q_blocks.saturating_mul(dims.heads_q).max(1);
+    let limit = i32::MAX as usize;
+    if per_batch > limit {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("{} heads of {} queries exceed a grid's 2^31 blocks", dims.heads_q, dims.seq_q),
+        });
+    }
+    Ok(Plan { dp, smem, q_blocks: q_blocks as u32, batches: (limit / per_batch).min(dims.batch).max(1) })
+}
+
+/// Scaled dot-product attention, forward: `out = softmax(scale Q K^T + mask) V` per (batch,
+/// query head), with the key/value head `h / (Hq / Hkv)` (grouped-query attention; one key/value
+/// head: multi-query), and `lse`, the natural log of each row's sum of `exp(scale q k_j)` over
+/// the keys it sees (what a backward pass needs).
+///
+/// - `q`: `[B, Hq, Sq, D]` ([`Layout::Bhsd`]) or `[B, Sq, Hq, D]` ([`Layout::Bshd`]); `k`, `v`:
+///   `[B, Hkv, Sk, D]` or `[B, Sk, Hkv, D]`, `Hq` a multiple of `Hkv`. All bf16 or all f16; `D`
+///   a multiple of 8 from 8 to 256; `Sq` and `Sk` any (they may differ), below 2^31.
+/// - Returns `(out, lse)`: `out` of q's shape, dtype and layout; `lse` f32 `[B, Hq, Sq]`.
+/// - The mask: [`AttentionOpts::causal`] and [`AttentionOpts::window`]. A query that sees no key
+///   (all masked, or `Sk = 0`), or whose every score is `-inf`, gets zeros and `lse = -inf`, as
+///   FlashAttention (where the naive formula gives NaN).
+/// - NaN and infinities propagate as in the naive formula: a NaN score, or a `+inf` one, makes
+///   its row NaN; a `-inf` score is a weight of 0. A non-finite value of V at a key a row sees
+///   reaches that row; at a key it does not see, it may (when the key shares a tile of 64 keys
+///   with one it sees, as `0 * inf` is NaN), or may not.
+/// - Accuracy: scores and products are accumulated in f32; the softmax weights are rounded to
+///   the input dtype before they multiply V (as FlashAttention), which dominates the error:
+///   about `2^-8` (bf16) or `2^-11` (f16) of `sum_j p_j |v_j|` (tests/attention.rs derives the
+///   whole bound).
+/// - Memory: O(B H S D); no `Sq x Sk` matrix is formed. Q, K and V are read in place in either
+///   layout (no copies).
+///
+/// Errors ([`Error`]): tensors on different devices; a dtype other than bf16 or f16, or
+/// different dtypes ([`Error::DTypeMismatch`]); shapes that do not fit
+/// ([`Error::ShapeMismatch`] for k and v, [`Error::InvalidArgument`] otherwise: rank, head dim,
+/// heads); a scale that is not finite; a tensor whose memory does not start on 16 bytes (the
+/// copies move 16 bytes; tensors the library allocates always do); a GPU with less shared memory
+/// a block than the head dim's kernel needs (46 KB up to D = 64, 87 KB to 128, 101 KB to 256).
+/// Empty batches or queries (`B = 0`, `Hq = 0`, `Sq = 0`) give empty outputs.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<(Tensor, Tensor)> {
+    let op = "attention";
+    check_same_device(op, q, k)?;
+    check_same_device(op, q, v)?;
+    let dtype = q.dtype();
+    if dtype == DType::F32 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: "attention takes bf16 or f16 tensors, got F32 (cast first)".into(),
+        });
+    }
+    for t in [k, v] {
+        if t.dtype() != dtype {
+            return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
+        }
+    }
+    let dims = dims(op, opts.layout, q.shape(), k.shape(), v.shape())?;
+    let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument { op, message: format!("the scale must be finite, got {scale}") });
+    }
+    for (what, t) in [("q", q), ("k", k), ("v", v)] {
+        if !t.dev_ptr_u64().is_multiple_of(16) {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("{what}'s memory must start on 16 bytes, at {:#x}", t.dev_ptr_u64()),
+            });
+        }
+    }
+    let dev = q.device().clone();
+    let p = plan(op, &dims, dev.max_shared_bytes())?;
+    let mut out = Tensor::alloc(op, &dev, q.shape(), dtype)?;
+    let mut lse = Tensor::alloc(op, &dev, &[dims.batch, dims.heads_q, dims.seq_q], DType::F32)?;
+    if dims.batch == 0 || dims.heads_q == 0 || dims.seq_q == 0 {
+        return Ok((out, lse));
+    }
+    let (lo, hi) = band(opts.causal, opts.window, dims.seq_q, dims.seq_k);
+    let kernel = fwd_kernel(dtype, p.dp).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("internal: no attention kernel for {dtype:?} and head dim {}", p.dp),
+    })?;
+    let qs = strides(opts.layout, (dims.batch, dims.heads_q, dims.seq_q, dims.d));
+    let ks = strides(opts.layout, (dims.batch, dims.heads_kv, dims.seq_k, dims.d));
+    let params = AttnParams {
+        q: q.dev_ptr(),
+        k: k.dev_ptr(),
+        v: v.dev_ptr(),
+        o: out.dev_ptr_mut::<u16>()?,
+        lse: lse.dev_ptr_mut::<f32>()?,
+        q_stride: qs,
+        k_stride: ks,
+        v_stride: ks,
+        o_stride: qs,
+        lo,
+        hi,
+        seq_q: dims.seq_q as u32,
+        seq_k: dims.seq_k as u32,
+        d: dims.d as u32,
+        heads_q: dims.heads_q as u32,
+        group: (dims.heads_q / dims.heads_kv.max(1)) as u32,
+        q_blocks: p.q_blocks,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        pad: 0,
+    };
+    launch(&dev, kernel, &params, &dims, &p).map(|()| (out, lse))
+}
+
+/// Launches the forward over every batch, [`Plan::batches`] at a time.
+fn launch(
+    dev: &Device,
+    kernel: kernels_gpu::kernel::Kernel<AttentionArgs>,
+    params: &AttnParams,
+    dims: &Dims,
+    p: &Plan,
+) -> Result<()> {
+    let lse_per_batch = (dims.heads_q * dims.seq_q) as u64;
+    let mut z0 = 0;
+    while z0 < dims.batch {
+        let nz = (dims.batch - z0).min(p.batches);
+        let at = |ptr: u64, stride: u64, size: u64| ptr + z0 as u64 * stride * size;
+        let piece = AttnParams {
+            q: at(params.q as u64, params.q_stride[0], 2) as *const u16,
+            k: at(params.k as u64, params.k_stride[0], 2) as *const u16,
+            v: at(params.v as u64, params.v_stride[0], 2) as *const u16,
+            o: at(params.o as u64, params.o_stride[0], 2) as *mut u16,
+            lse: at(params.lse as u64, lse_per_batch, 4) as *mut f32,
+            ..*params
+        };
+        let cfg = LaunchConfig {
+            grid: (p.q_blocks * dims.heads_q as u32 * nz as u32, 1, 1),
+            block: (attn::THREADS, 1, 1),
+            shared_bytes: p.smem,
+        };
+        // SAFETY: `dims` checked Q, K and V against these shapes and strides (K, V with
+        // `heads_q / group` heads) and their dtype against the kernel's; their bases are 16-byte
+        // aligned; O (Q's shape, this call's own allocation) and lse (`[B, Hq, Sq]` f32) are
+        // written, the rest only read. The grid is `q_blocks * heads_q` blocks for each of the
+        // `nz` batches of this piece, whose pointers start at batch z0; `smem` is the kernel's
+        // `smem_bytes` for its padded head dim, within the device's limit (`plan`).
+        unsafe { dev.launch(kernel, cfg, (piece,))? };
+        z0 += nz;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(batch: usize, heads_q: usize, heads_kv: usize, seq_q: usize, seq_k: usize, d: usize) -> Dims {
+        Dims { batch, heads_q, heads_kv, seq_q, seq_k, d }
+    }
+
+    #[test]
+    fn shapes_in_both_layouts() {
+        let r = dims("attention", Layout::Bhsd, &[2, 8, 100, 64], &[2, 2, 37, 64], &[2, 2, 37, 64]);
+        assert_eq!(r.unwrap(), d(2, 8, 2, 100, 37, 64));
+        let r = dims("attention", Layout::Bshd, &[2, 100, 8, 96], &[2, 37, 1, 96], &[2, 37, 1, 96]);
+        assert_eq!(r.unwrap(), d(2, 8, 1, 100, 37, 96));
+        // Empty sizes are shapes like any other.
+        let r = dims("attention", Layout::Bhsd, &[0, 4, 0, 8], &[0, 4, 0, 8], &[0, 4, 0, 8]);
+        assert_eq!(r.unwrap(), d(0, 4, 4, 0, 0, 8));
+        assert_eq!(strides(Layout::Bhsd, (2, 8, 100, 64)), [8 * 100 * 64, 100 * 64, 64]);
+        assert_eq!(strides(Layout::Bshd, (2, 8, 100, 64)), [100 * 8 * 64, 64, 8 * 64]);
+    }
+
+    #[test]
+    fn bad_shapes_are_typed_errors() {
+        let e = |q: &[usize], k: &[usize], v: &[usize]| dims("attention", Layout::Bhsd, q, k, v).unwrap_err();
+        let msg = |err: Error| match err {
+            Error::InvalidArgument { message, .. } => message,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        assert!(msg(e(&[2, 8, 100], &[2, 8, 100, 64], &[2, 8, 100, 64])).contains("rank 4"));
+        assert!(matches!(e(&[2, 8, 10, 64], &[2, 8, 10, 64], &[2, 8, 11, 64]), Error::ShapeMismatch { .. }));
+        assert!(matches!(e(&[2, 8, 10, 64], &[3, 8, 10, 64], &[3, 8, 10, 64]), Error::ShapeMismatch { .. }));
+        assert!(matches!(e(&[2, 8, 10, 64], &[2, 8, 10, 32], &[2, 8, 10, 32]), Error::ShapeMismatch { .. }));
+        for bad in [0, 12, 264, 512] {
+            let s = [1, 1, 4, bad];
+            assert!(msg(e(&s, &s, &s)).contains("multiple of 8 from 8 to 256"), "{bad}");
+        }
+        assert!(msg(e(&[1, 8, 4, 64], &[1, 3, 4, 64], &[1, 3, 4, 64])).contains("multiple of k's"));
+        assert!(msg(e(&[1, 8, 4, 64], &[1, 0, 4, 64], &[1, 0, 4, 64])).contains("multiple of k's"));
+        assert!(msg(e(&[1, 1, 1 << 31, 64], &[1, 1, 4, 64], &[1, 1, 4, 64])).contains("below 2^31"));
+    }
+
+    /// The band against the documented rule, for every mask.
+    #[test]
+    fn bands_follow_the_documented_masks() {
+        for (sq, sk) in [(5usize, 5usize), (3, 9), (9, 3), (1, 1), (4, 0)] {
+            let br = sk as i64 - sq as i64;
+            let sees = |(lo, hi): (i64, i64), i: i64, j: i64| i + lo <= j && j <= i + hi;
+            for i in 0..sq as i64 {
+                for j in 0..sk as i64 {
+                    assert!(sees(band(Causal::None, None, sq, sk), i, j));
+                    assert_eq!(sees(band(Causal::TopLeft, None, sq, sk), i, j), j <= i);
+                    assert_eq!(sees(band(Causal::BottomRight, None, sq, sk), i, j), j <= i + br);
+                    let w = Some((2, 1));
+                    assert_eq!(sees(band(Causal::None, w, sq, sk), i, j), i + br - 2 <= j && j <= i + br + 1);
+                    assert_eq!(sees(band(Causal::TopLeft, w, sq, sk), i, j), i - 2 <= j && j <= i);
+                    assert_eq!(sees(band(Causal::BottomRight, w, sq, sk), i, j), i + br - 2 <= j && j <= i + br);
+                    let wide = Some((usize::MAX, usize::MAX));
+                    assert!(sees(band(Causal::None, wide, sq, sk), i, j));
+                    let causal = band(Causal::None, Some((usize::MAX, 0)), sq, sk);
+                    assert_eq!(sees(causal, i, j), j <= i + br);
+                }
+            }
+        }
+        let (lo, hi) = band(Causal::None, Some((usize::MAX, usize::MAX)), 1 << 30, 1);
+        assert!(lo >= -BIG && hi <= BIG);
+    }
+
+    #[test]
+    fn plans_fit_the_shared_memory_and_the_grid() {
+        let h100 = 227 * 1024;
+        let p = plan("attention", &d(3, 8, 2, 100, 300, 96), h100).unwrap();
+        assert_eq!(p, Plan { dp: 128, smem: 87040, q_blocks: 2, batches: 3 });
+        let p = plan("attention", &d(1, 1, 1, 1, 1, 8), 48 * 1024).unwrap();
+        assert_eq!((p.dp, p.smem), (64, 46080));
+        // D = 256 needs 99 KiB: refused where a block may have 64 KiB.
+        let err = plan("attention", &d(1, 1, 1, 1, 1, 256), 64 * 1024).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { ref message, .. } if message.contains("101376 bytes")));
+        // Batches split so that the grid stays below 2^31 blocks.
+        let p = plan("attention", &d(1000, 1 << 12, 1, 1 << 20, 1, 64), h100).unwrap();
+        let per = (1usize << 14) * (1 << 12);
+        assert_eq!(p.batches, i32::MAX as usize / per);
+        assert!(p.batches * per <= i32::MAX as usize);
+        assert!(plan("attention", &d(1, 1 << 16, 1, 1 << 30, 1, 64), h100).is_err());
+        // Empty problems plan (and launch nothing).
+        let p = plan("attention", &d(0, 0, 0, 0, 0, 64), h100).unwrap();
+        assert_eq!((p.q_blocks, p.batches), (0, 1));
+    }
+}
