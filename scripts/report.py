@@ -237,10 +237,13 @@ def figure(picked, path):
     gm_run, gm = picked.get("gemm", (None, None))
     if gm:
         ax = fig.add_subplot(gs[2, 1])
-        recs = sorted(gm["records"], key=lambda r: ("3xtf32" in r["op"], r["op"].startswith("linear")))
+        half = any(r.get("dtype") in ("bf16", "f16") for r in gm["records"])
+        # A run of the 16-bit products: its bf16 cases (f16's are the same shapes).
+        recs = [r for r in gm["records"] if not half or r.get("dtype") == "bf16"]
+        recs.sort(key=lambda r: ("3xtf32" in r["op"], r["op"].startswith("linear")))
         bars(ax, recs, lambda r: ", ".join(gemm_name(r)[::-1]).replace("relu(x @ W^T + b)", "linear+relu"),
-             f"Matrix products, f32 ({gm_run['date']})",
-             baseline_name="cuBLAS (FP32)", unit="TFLOP/s")
+             f"Matrix products, {'bf16' if half else 'f32'} ({gm_run['date']})",
+             baseline_name="cuBLAS (cublasGemmEx)" if half else "cuBLAS (FP32)", unit="TFLOP/s")
     fig.suptitle(f"kernels against PyTorch and cuBLAS on an {(ew_run or gm_run or {}).get('gpu', 'unknown GPU')}",
                  fontsize=14)
     fig.savefig(path, dpi=80)
