@@ -125,7 +125,7 @@ mod device {
     /// Stores a consumer thread's accumulators (as [`store_tile`]) where the epilogue is
     /// `act(alpha * acc + bias_col[col])` ([`is_simple`]) into a 16-bit D with 16-byte aligned
     /// rows and the tile lies inside D's columns, in straight-line code (the linear layer's
-    /// epilogue then costs little more than the plain store). The four threads of a quad
+    /// bias and activation without the general path's rolled loop). The four threads of a quad
     /// exchange their pairs (a 4 x 4 transpose of 32-bit words by shuffles) so that each stores 8
     /// consecutive columns, 16 bytes, where it held four pairs 16 bytes apart: a warp's store
     /// covers whole 32-byte sectors, a quarter of the instructions of the pair stores. `ACT` is
