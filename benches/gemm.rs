@@ -304,6 +304,28 @@ fn run_case(dev: &Device, h: cublas_sys::cublasHandle_t, cs: &Case, iters: usize
     Ok((median(&mut t_ours), median(&mut t_blas)))
 }
 
+/// The f64 product of row-major `a` (`m x k`) and `b` (`k x n`).
+fn product_f64(a: &[f32], b: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f64> {
+    let mut want = vec![0.0f64; m * n];
+    for i in 0..m {
+        for kk in 0..k {
+            let x = a[i * k + kk] as f64;
+            let row = &b[kk * n..(kk + 1) * n];
+            for (w, &y) in want[i * n..(i + 1) * n].iter_mut().zip(row) {
+                *w += x * y as f64;
+            }
+        }
+    }
+    want
+}
+
+/// `|got - want| / |want|` in the Frobenius norm.
+fn rel_frobenius(got: &[f32], want: &[f64]) -> f64 {
+    let (e2, r2) =
+        got.iter().zip(want).fold((0.0f64, 0.0f64), |(e2, r2), (&g, &w)| (e2 + (g as f64 - w).powi(2), r2 + w * w));
+    (e2 / r2).sqrt()
+}
+
 /// Relative Frobenius error against an f64 product of `m x k` by `k x n` (row-major, computed
 /// here) for ours in each precision (FMAs, 3xTF32, TF32) and for cuBLAS in FP32 and in TF32
 /// (`CUBLAS_TF32_TENSOR_OP_MATH`), on the same data: normal
@@ -330,23 +352,8 @@ fn accuracy(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
                 )
             };
             let (ha, hb) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
-            let mut want = vec![0.0f64; m * n];
-            for i in 0..m {
-                for kk in 0..k {
-                    let x = ha[i * k + kk] as f64;
-                    let row = &hb[kk * n..(kk + 1) * n];
-                    for (w, &y) in want[i * n..(i + 1) * n].iter_mut().zip(row) {
-                        *w += x * y as f64;
-                    }
-                }
-            }
-            let err = |got: &[f32]| {
-                let (e2, r2) = got
-                    .iter()
-                    .zip(&want)
-                    .fold((0.0f64, 0.0f64), |(e2, r2), (&g, &w)| (e2 + (g as f64 - w).powi(2), r2 + w * w));
-                (e2 / r2).sqrt()
-            };
+            let want = product_f64(&ha, &hb, (m, n, k));
+            let err = |got: &[f32]| rel_frobenius(got, &want);
             let mut row = Vec::new();
             // `Tf32x3Always`: at this size `Tf32x3` would run the FMA kernel.
             for precision in [Precision::Highest, Precision::Tf32x3Always, Precision::Tf32] {
@@ -402,24 +409,9 @@ fn accuracy_tc(dev: &Device, h: cublas_sys::cublasHandle_t) -> Result<()> {
                 };
                 let (a, b) = (make(m, k, 21)?, make(k, n, 22)?);
                 let (ha, hb) = (a.to_dtype(DType::F32)?.to_vec::<f32>()?, b.to_dtype(DType::F32)?.to_vec::<f32>()?);
-                let mut want = vec![0.0f64; m * n];
-                for i in 0..m {
-                    for kk in 0..k {
-                        let x = ha[i * k + kk] as f64;
-                        let row = &hb[kk * n..(kk + 1) * n];
-                        for (w, &y) in want[i * n..(i + 1) * n].iter_mut().zip(row) {
-                            *w += x * y as f64;
-                        }
-                    }
-                }
-                let err = |c: &Tensor| -> Result<f64> {
-                    let got = c.to_dtype(DType::F32)?.to_vec::<f32>()?;
-                    let (e2, r2) = got
-                        .iter()
-                        .zip(&want)
-                        .fold((0.0f64, 0.0f64), |(e2, r2), (&g, &w)| (e2 + (g as f64 - w).powi(2), r2 + w * w));
-                    Ok((e2 / r2).sqrt())
-                };
+                let want = product_f64(&ha, &hb, (m, n, k));
+                let err =
+                    |c: &Tensor| -> Result<f64> { Ok(rel_frobenius(&c.to_dtype(DType::F32)?.to_vec::<f32>()?, &want)) };
                 let cs = Case { name: String::new(), dtype: dt, g: Gemm::default(), m, n, k, linear: false };
                 let mut row = Vec::new();
                 for out in [DType::F32, dt] {
