@@ -194,20 +194,16 @@ else
     running=$((running + 1))
   done
   wait
-  for i in $(seq 0 $((NBIN - 1))); do
-    name="$(basename "${BINS[$i]}")"
+  # Prints and counts job `id` as test binary `name`.
+  show_job() {
+    local name=$1 id=$2 rc secs
     echo "== test $name" | tee -a "$LOG"
-    tee -a "$LOG" < "$JD/$i.out"
-    read -r rc secs < "$JD/$i.rc" || { rc=1; secs=0; }
-    tally_bin "$name" "$JD/$i.out" "$rc" "$secs"
-  done
-  for i in ${SM80[@]+"${SM80[@]}"}; do
-    name="$(basename "${BINS[$i]}") (sm_80 PTX)"
-    echo "== test $name" | tee -a "$LOG"
-    tee -a "$LOG" < "$JD/s$i.out"
-    read -r rc secs < "$JD/s$i.rc" || { rc=1; secs=0; }
-    tally_bin "$name" "$JD/s$i.out" "$rc" "$secs"
-  done
+    tee -a "$LOG" < "$JD/$id.out"
+    read -r rc secs < "$JD/$id.rc" || { rc=1; secs=0; }
+    tally_bin "$name" "$JD/$id.out" "$rc" "$secs"
+  }
+  for i in $(seq 0 $((NBIN - 1))); do show_job "$(basename "${BINS[$i]}")" "$i"; done
+  for i in ${SM80[@]+"${SM80[@]}"}; do show_job "$(basename "${BINS[$i]}") (sm_80 PTX)" "s$i"; done
   if [ "$PYTESTS" -eq 1 ]; then
     echo "== python tests" | tee -a "$LOG"
     tee -a "$LOG" < "$JD/p.out"
