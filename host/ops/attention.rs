@@ -293,6 +293,39 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
     launch(&dev, kernel, &params, &dims, &p).map(|()| (out, lse))
 }
 
+/// Scaled dot-product attention, backward: the gradients `(dq, dk, dv)` of a loss whose
+/// gradient with respect to [`attention`]'s output is `dout`, given that call's inputs, its
+/// `out` and `lse`, and the same `opts`.
+///
+/// - `q`, `k`, `v`, `opts`: as given to [`attention`]; `out`, `lse`: what it returned; `dout`:
+///   `out`'s shape, dtype and layout. Returns `dq`, `dk`, `dv` of the shapes, dtype and layout of
+///   `q`, `k` and `v`. With grouped-query attention, `dk` and `dv` sum over the query heads that
+///   share a key/value head.
+/// - Deterministic: no atomics; every gradient element is summed in one fixed order by one
+///   thread, so two calls on the same inputs give the same bits.
+/// - A query row that sees no key (`lse = -inf`) contributes nothing; keys no query sees get
+///   zero gradients.
+/// - Memory: O(B H S) f32 workspace (each row's `dout . out` and log-sum-exp), no `Sq x Sk`
+///   matrix.
+/// - Accuracy: products accumulate in f32; the weights `P` and their gradients `dS` are rounded
+///   to the input dtype before they enter the tensor cores (as FlashAttention), which dominates
+///   the error (tests/attention.rs derives the bound).
+///
+/// Errors: those of [`attention`], and `out`, `lse` or `dout` whose shape or dtype is not what
+/// [`attention`] returns for these inputs.
+pub fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    opts: &AttentionOpts,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let _ = (q, k, v, out, lse, dout, opts);
+    Err(Error::InvalidArgument { op: "attention_backward", message: "not implemented yet".into() })
+}
+
 /// Launches the forward over every batch, [`Plan::batches`] at a time.
 fn launch(
     dev: &Device,

@@ -18,7 +18,7 @@ pub mod reduce;
 pub mod softmax;
 pub mod transpose;
 
-pub use attention::{AttentionOpts, Causal, Layout, attention};
+pub use attention::{AttentionOpts, Causal, Layout, attention, attention_backward};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use gemm::*;
