@@ -1,11 +1,13 @@
-//! Scaled dot-product attention, forward, bf16 and f16 on the tensor cores (host side of
-//! `kernels-gpu/src/attention.rs`, FlashAttention-2 on `mma.sync`): [`attention`].
+//! Scaled dot-product attention, forward and backward, bf16 and f16 on the tensor cores (host
+//! side of `kernels-gpu/src/attention/`, FlashAttention-2 on `mma.sync`): [`attention`],
+//! [`attention_backward`].
 
 use super::check::check_same_device;
 use crate::device::{Device, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
+use kernels_gpu::attention::backward::{self as bwd, AttnBwdParams};
 use kernels_gpu::attention::{self as attn, AttentionArgs, AttnParams, fwd_kernel, padded_dim, smem_bytes};
 
 /// Which keys a query sees beyond the window ([`AttentionOpts::causal`]).
@@ -322,8 +324,195 @@ pub fn attention_backward(
     dout: &Tensor,
     opts: &AttentionOpts,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let _ = (q, k, v, out, lse, dout, opts);
-    Err(Error::InvalidArgument { op: "attention_backward", message: "not implemented yet".into() })
+    let op = "attention_backward";
+    for t in [k, v, out, lse, dout] {
+        check_same_device(op, q, t)?;
+    }
+    let dtype = q.dtype();
+    if dtype == DType::F32 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: "attention_backward takes bf16 or f16 tensors, got F32 (cast first)".into(),
+        });
+    }
+    for t in [k, v, out, dout] {
+        if t.dtype() != dtype {
+            return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
+        }
+    }
+    if lse.dtype() != DType::F32 {
+        return Err(Error::DTypeMismatch { op, expected: DType::F32, got: lse.dtype() });
+    }
+    let dims = dims(op, opts.layout, q.shape(), k.shape(), v.shape())?;
+    for (t, detail) in [(out, "out must have q's shape"), (dout, "dout must have q's shape")] {
+        if t.shape() != q.shape() {
+            return Err(Error::ShapeMismatch { op, expected: q.shape().to_vec(), got: t.shape().to_vec(), detail });
+        }
+    }
+    let lse_shape = [dims.batch, dims.heads_q, dims.seq_q];
+    if lse.shape() != lse_shape {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: lse_shape.to_vec(),
+            got: lse.shape().to_vec(),
+            detail: "lse must be [batch, heads_q, seq_q]",
+        });
+    }
+    let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument { op, message: format!("the scale must be finite, got {scale}") });
+    }
+    for (what, t) in [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)] {
+        if !t.dev_ptr_u64().is_multiple_of(16) {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("{what}'s memory must start on 16 bytes, at {:#x}", t.dev_ptr_u64()),
+            });
+        }
+    }
+    let dev = q.device().clone();
+    let p = plan_backward(op, &dims, dev.max_shared_bytes())?;
+    // Without queries the key gradients are zeros; without keys the query gradients are.
+    if dims.batch == 0 || dims.heads_q == 0 || dims.seq_q == 0 || dims.seq_k == 0 {
+        let grad = |t: &Tensor, zero: bool| {
+            if zero { Tensor::zeros(&dev, t.shape(), dtype) } else { Tensor::alloc(op, &dev, t.shape(), dtype) }
+        };
+        let no_queries = dims.heads_q == 0 || dims.seq_q == 0;
+        return Ok((grad(q, !no_queries)?, grad(k, no_queries)?, grad(v, no_queries)?));
+    }
+    let kernels = bwd::bwd_kernels(dtype, p.fwd.dp).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("internal: no attention backward kernels for {dtype:?} and head dim {}", p.fwd.dp),
+    })?;
+    let mut dq = Tensor::alloc(op, &dev, q.shape(), dtype)?;
+    let mut dk = Tensor::alloc(op, &dev, k.shape(), dtype)?;
+    let mut dv = Tensor::alloc(op, &dev, v.shape(), dtype)?;
+    let rows = dims.batch * dims.heads_q * p.fwd.q_blocks as usize * attn::BM as usize;
+    let mut lse2 = Tensor::alloc(op, &dev, &[rows], DType::F32)?;
+    let mut delta = Tensor::alloc(op, &dev, &[rows], DType::F32)?;
+    let (lo, hi) = band(opts.causal, opts.window, dims.seq_q, dims.seq_k);
+    let params = AttnBwdParams {
+        q: q.dev_ptr(),
+        k: k.dev_ptr(),
+        v: v.dev_ptr(),
+        o: out.dev_ptr(),
+        dout: dout.dev_ptr(),
+        dq: dq.dev_ptr_mut::<u16>()?,
+        dk: dk.dev_ptr_mut::<u16>()?,
+        dv: dv.dev_ptr_mut::<u16>()?,
+        lse: lse.dev_ptr(),
+        lse2: lse2.dev_ptr_mut::<f32>()?,
+        delta: delta.dev_ptr_mut::<f32>()?,
+        q_stride: strides(opts.layout, (dims.batch, dims.heads_q, dims.seq_q, dims.d)),
+        kv_stride: strides(opts.layout, (dims.batch, dims.heads_kv, dims.seq_k, dims.d)),
+        lo,
+        hi,
+        seq_q: dims.seq_q as u32,
+        seq_k: dims.seq_k as u32,
+        d: dims.d as u32,
+        heads_q: dims.heads_q as u32,
+        group: (dims.heads_q / dims.heads_kv.max(1)) as u32,
+        q_blocks: p.fwd.q_blocks,
+        k_blocks: p.k_blocks,
+        scale,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        pad: 0,
+    };
+    launch_backward(&dev, &kernels, &params, &dims, &p).map(|()| (dq, dk, dv))
+}
+
+/// How a backward is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BwdPlan {
+    /// The forward's plan: the padded head dim, `q_blocks` (the grid of `prep` and `dq`) and the
+    /// batches per launch, here also within the dK/dV grid's limit.
+    pub fwd: Plan,
+    /// Key blocks per (batch, key/value head): `ceil(Sk / 64)`.
+    pub k_blocks: u32,
+    /// Dynamic shared memory of the dQ kernel.
+    pub smem_dq: u32,
+    /// Dynamic shared memory of the dK/dV kernels.
+    pub smem_dkdv: u32,
+}
+
+/// The backward's launch of `dims` on a GPU whose blocks may have `max_smem` bytes of dynamic
+/// shared memory (errors as [`plan`]'s).
+pub(crate) fn plan_backward(op: &'static str, dims: &Dims, max_smem: u32) -> Result<BwdPlan> {
+    let mut fwd = plan(op, dims, max_smem)?;
+    let (smem_dq, smem_dkdv) = (bwd::smem_dq(fwd.dp), bwd::smem_dkdv(fwd.dp));
+    let need = smem_dq.max(smem_dkdv);
+    if need > max_smem {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!(
+                "the backward of head dim {} needs {need} bytes of shared memory a block; this GPU allows {max_smem}",
+                dims.d
+            ),
+        });
+    }
+    let k_blocks = dims.seq_k.div_ceil(bwd::BN_KV as usize);
+    let per_batch = k_blocks.saturating_mul(dims.heads_kv).max(1);
+    let limit = i32::MAX as usize;
+    if per_batch > limit {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("{} heads of {} keys exceed a grid's 2^31 blocks", dims.heads_kv, dims.seq_k),
+        });
+    }
+    fwd.batches = fwd.batches.min(limit / per_batch).max(1);
+    Ok(BwdPlan { fwd, k_blocks: k_blocks as u32, smem_dq, smem_dkdv })
+}
+
+/// Launches the backward's kernels over every batch, [`Plan::batches`] at a time.
+fn launch_backward(
+    dev: &Device,
+    kernels: &bwd::BwdKernels,
+    params: &AttnBwdParams,
+    dims: &Dims,
+    p: &BwdPlan,
+) -> Result<()> {
+    let stats_per_batch = (dims.heads_q * p.fwd.q_blocks as usize * attn::BM as usize) as u64;
+    let lse_per_batch = (dims.heads_q * dims.seq_q) as u64;
+    let mut z0 = 0;
+    while z0 < dims.batch {
+        let nz = (dims.batch - z0).min(p.fwd.batches);
+        let at = |ptr: u64, stride: u64, size: u64| ptr + z0 as u64 * stride * size;
+        let (qs, ks) = (params.q_stride[0], params.kv_stride[0]);
+        let piece = AttnBwdParams {
+            q: at(params.q as u64, qs, 2) as *const u16,
+            k: at(params.k as u64, ks, 2) as *const u16,
+            v: at(params.v as u64, ks, 2) as *const u16,
+            o: at(params.o as u64, qs, 2) as *const u16,
+            dout: at(params.dout as u64, qs, 2) as *const u16,
+            dq: at(params.dq as u64, qs, 2) as *mut u16,
+            dk: at(params.dk as u64, ks, 2) as *mut u16,
+            dv: at(params.dv as u64, ks, 2) as *mut u16,
+            lse: at(params.lse as u64, lse_per_batch, 4) as *const f32,
+            lse2: at(params.lse2 as u64, stats_per_batch, 4) as *mut f32,
+            delta: at(params.delta as u64, stats_per_batch, 4) as *mut f32,
+            ..*params
+        };
+        let q_grid = (p.fwd.q_blocks * dims.heads_q as u32 * nz as u32, 1, 1);
+        let cfg = |grid, shared_bytes| LaunchConfig { grid, block: (attn::THREADS, 1, 1), shared_bytes };
+        // SAFETY: `attention_backward` checked Q, K, V, O, dO and lse against these shapes,
+        // strides and dtypes, their bases 16-byte aligned; dQ, dK, dV (the inputs' shapes) and
+        // the workspaces (`batch * heads_q * q_blocks * 64` f32 each) are this call's own
+        // allocations. This piece's pointers start at batch z0 and its grids cover its `nz`
+        // batches: `q_blocks * heads_q` blocks each for `prep` and `dq`, `k_blocks * heads_kv`
+        // for the dK/dV kernels; the shared memory is each kernel's own size, within the
+        // device's limit (`plan_backward`). The kernels run in stream order: `prep` writes the
+        // workspaces the others read.
+        unsafe {
+            dev.launch(kernels.prep, cfg(q_grid, 0), (piece,))?;
+            dev.launch(kernels.dq, cfg(q_grid, p.smem_dq), (piece,))?;
+            for kernel in kernels.dkdv.iter().flatten() {
+                let grid = (p.k_blocks * dims.heads_kv as u32 * nz as u32, 1, 1);
+                dev.launch(*kernel, cfg(grid, p.smem_dkdv), (piece,))?;
+            }
+        }
+        z0 += nz;
+    }
+    Ok(())
 }
 
 /// Launches the forward over every batch, [`Plan::batches`] at a time.
@@ -450,5 +639,21 @@ mod tests {
         // Empty problems plan (and launch nothing).
         let p = plan("attention", &d(0, 0, 0, 0, 0, 64), h100).unwrap();
         assert_eq!((p.q_blocks, p.batches), (0, 1));
+    }
+
+    #[test]
+    fn backward_plans_fit_the_shared_memory_and_both_grids() {
+        let h100 = 227 * 1024;
+        let p = plan_backward("attention_backward", &d(3, 8, 2, 100, 300, 96), h100).unwrap();
+        assert_eq!((p.fwd.dp, p.fwd.q_blocks, p.k_blocks, p.fwd.batches), (128, 2, 5, 3));
+        assert_eq!((p.smem_dq, p.smem_dkdv), (bwd::smem_dq(128), bwd::smem_dkdv(128)));
+        // D = 256 needs 135 KiB for the backward: refused where the forward's 99 KiB fits.
+        let err = plan_backward("attention_backward", &d(1, 1, 1, 1, 1, 256), 110 * 1024).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { ref message, .. } if message.contains("backward")));
+        // The key grid limits the batches per launch too.
+        let p = plan_backward("attention_backward", &d(1000, 1 << 10, 1 << 10, 64, 1 << 20, 64), h100).unwrap();
+        let per_k = (1usize << 14) * (1 << 10);
+        assert_eq!(p.fwd.batches, i32::MAX as usize / per_k);
+        assert!(plan_backward("attention_backward", &d(1, 1 << 16, 1 << 16, 1, 1 << 30, 64), h100).is_err());
     }
 }

@@ -26,6 +26,8 @@
 //!   and `lse = -inf`, as FlashAttention.
 //! - Causal blocks are launched heaviest first (the last query block of a head first).
 
+pub mod backward;
+
 /// Query rows per block.
 pub const BM: u32 = 64;
 /// Threads per block: 4 warps of 16 query rows.
@@ -146,7 +148,7 @@ pub const fn fwd_kernel(dtype: crate::DType, dp: u32) -> Option<crate::kernel::K
     }
 }
 
-/// Every kernel of this family: its name and arity (for the test against the PTX).
+/// Every kernel of this family, forward and backward: its name and arity (for the test against the PTX).
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
     [
@@ -159,6 +161,7 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
     ]
     .into_iter()
     .map(|k| k.entry())
+    .chain(backward::all_kernels())
 }
 
 /// An input type of the tensor cores: its `mma` and the rounding of P to it.
@@ -211,7 +214,7 @@ mod device {
     /// aligned (the host checks the bases; `d` and the strides are multiples of 8 elements);
     /// `dst` is a free region of `rows * (DP + 8) * 2` bytes of the dynamic shared memory.
     #[inline(always)]
-    unsafe fn copy_tile<const DP: u32, const ROWS: u32>(
+    pub(super) unsafe fn copy_tile<const DP: u32, const ROWS: u32>(
         dst: u32,
         src: *const u16,
         origin: *const u16,
