@@ -12,10 +12,19 @@
 //! (`close`). The log-sum-exp likewise. A worst-case bound, not a fitted one; tests/cpu.rs checks
 //! that it admits an f32 emulation of the kernel's path and rejects wrong ones.
 //!
+//! The backward (`ops::attention_backward`) runs on the forward's own outputs, and its gradients
+//! are compared element by element with the f64 reference gradients and the bound derived in
+//! tests/common/attention_bwd_ref.rs, given the forward's measured error (the forward's own
+//! tests hold that error to its bound): the score and `dout . v` dot products, `delta`'s f32
+//! sum, the exponent's roundings and `ex2.approx`, P and dS rounded to the dtype (the dominant
+//! terms), the tensor cores' f32 accumulations and the product by the scale; then one ulp of
+//! the dtype (`close`). Rows that see no key and keys no row sees must give exact zeros.
+//!
 //! Outputs are poisoned (NaN) on allocation, so an element the kernel does not write fails.
 
 mod common;
 
+use common::attention_bwd_ref::{FwdErr, Grads, Problem, backward, forward, key_ranges};
 use common::attention_ref::{RowRef, row_ref, scale_of};
 use common::*;
 use kernels::ops::{self, AttentionOpts, Causal, Layout};
@@ -40,6 +49,17 @@ struct Case {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// The gradient of the forward's output, for the backward (q's shape).
+    dout: Vec<f32>,
+}
+
+/// What the forward and then the backward returned, as f32.
+struct BwdOut {
+    o: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
 }
 
 /// `(batch, heads_q, heads_kv, seq_q, seq_k, d)`.
@@ -53,7 +73,8 @@ impl Case {
         let q = draw(batch * heads_q * seq_q * d);
         let k = draw(batch * heads_kv * seq_k * d);
         let v = draw(batch * heads_kv * seq_k * d);
-        Case { dt, layout, batch, heads_q, heads_kv, seq_q, seq_k, d, causal, window: None, scale: None, q, k, v }
+        let dout = draw(batch * heads_q * seq_q * d);
+        Case { dt, layout, batch, heads_q, heads_kv, seq_q, seq_k, d, causal, window: None, scale: None, q, k, v, dout }
     }
 
     fn shape(&self, heads: usize, seq: usize) -> Vec<usize> {
@@ -181,6 +202,121 @@ impl Case {
 
     fn check(&self, dev: &Device) -> Result<(), String> {
         self.check_rows(dev, None, |_| false)
+    }
+
+    /// Runs the forward, then the backward on its outputs; checks the gradients' dtypes and
+    /// shapes.
+    fn run_backward(&self, dev: &Device) -> Result<BwdOut, String> {
+        let (q, k, v) = self.upload(dev)?;
+        let opts = self.opts();
+        let (out, lse) = ops::attention(&q, &k, &v, &opts).map_err(e)?;
+        let dout = tensor(dev, &self.dout, &self.shape(self.heads_q, self.seq_q), self.dt)?;
+        let (dq, dk, dv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, &opts).map_err(e)?;
+        for (what, g, x) in [("dq", &dq, &q), ("dk", &dk, &k), ("dv", &dv, &v)] {
+            if g.dtype() != self.dt || g.shape() != x.shape() {
+                return Err(format!("{}: {what} became {:?} {:?}", self.describe(), g.dtype(), g.shape()));
+            }
+        }
+        let f = |t: &Tensor| t.to_f32_vec().map_err(e);
+        Ok(BwdOut { o: f(&out)?, lse: f(&lse)?, dq: f(&dq)?, dk: f(&dk)?, dv: f(&dv)? })
+    }
+
+    /// The keys each query row sees, as ranges.
+    fn key_ranges(&self) -> Vec<(usize, usize)> {
+        key_ranges(self.seq_q, self.seq_k, |i, j| self.sees(i, j))
+    }
+
+    /// The reference gradients of batch `b`, key/value head `hk`, given the forward's output in
+    /// `got` (its measured error enters the bound).
+    fn grads_ref(&self, got: &BwdOut, keys: &[(usize, usize)], b: usize, hk: usize) -> Grads {
+        let (group, sq, d) = (self.heads_q / self.heads_kv, self.seq_q, self.d);
+        let heads = |x: &[f32]| -> Vec<f64> {
+            let mut y = Vec::with_capacity(group * sq * d);
+            for g in 0..group {
+                for i in 0..sq {
+                    let at = self.row_at(self.heads_q, sq, b, hk * group + g, i);
+                    y.extend(x[at..at + d].iter().map(|&v| v as f64));
+                }
+            }
+            y
+        };
+        let kv = |x: &[f32]| -> Vec<f64> {
+            (0..self.seq_k).flat_map(|j| self.kv_row(x, b, hk, j).iter().map(|&v| v as f64)).collect()
+        };
+        let (q, dout, o, k, v) = (heads(&self.q), heads(&self.dout), heads(&got.o), kv(&self.k), kv(&self.v));
+        let lse: Vec<f64> = (0..group)
+            .flat_map(|g| (0..sq).map(move |i| got.lse[(b * self.heads_q + hk * group + g) * sq + i] as f64))
+            .collect();
+        let scale = scale_of(self.scale, d) as f64;
+        let p = Problem { group, seq_q: sq, seq_k: self.seq_k, d, scale, keys, q: &q, k: &k, v: &v, dout: &dout };
+        let f = forward(&p);
+        backward(self.dt, &p, &f, &FwdErr::measured(&p, &f, &o, &lse))
+    }
+
+    /// Checks the gradients in `got` against the reference, except the rows of dq (`skip(false,
+    /// b, h, i)`) and of dk and dv (`skip(true, b, hk, j)`) that `skip` names. Where no pair is
+    /// seen (a row that sees no key, a key no row sees) the gradient must be exactly zero.
+    fn check_grads(&self, got: &BwdOut, skip: impl Fn(bool, usize, usize, usize) -> bool) -> Result<(), String> {
+        if self.heads_kv == 0 {
+            return Ok(());
+        }
+        let (group, d) = (self.heads_q / self.heads_kv, self.d);
+        let keys = self.key_ranges();
+        let cmp = |what: String, got: &[f32], want: &[f64], tol: &[f64], zero: bool| -> Result<(), String> {
+            for x in 0..d {
+                let ok =
+                    if zero { got[x] == 0.0 } else { close(self.dt, got[x], want[x], Tol { rtol: 0.0, atol: tol[x] }) };
+                if !ok {
+                    let (w, t) = if zero { (0.0, 0.0) } else { (want[x], tol[x]) };
+                    return Err(format!(
+                        "{}: {what}[{x}] = {:e}, expected {w:e} (tolerance {t:e}{})",
+                        self.describe(),
+                        got[x],
+                        if zero { ", exactly: no pair seen" } else { "" }
+                    ));
+                }
+            }
+            Ok(())
+        };
+        for b in 0..self.batch {
+            for hk in 0..self.heads_kv {
+                let r = self.grads_ref(got, &keys, b, hk);
+                for g in 0..group {
+                    let h = hk * group + g;
+                    for i in (0..self.seq_q).filter(|&i| !skip(false, b, h, i)) {
+                        let at = self.row_at(self.heads_q, self.seq_q, b, h, i);
+                        let x = (g * self.seq_q + i) * d;
+                        let want = (&r.dq[x..x + d], &r.dq_tol[x..x + d]);
+                        cmp(format!("dq[{b}][{h}][{i}]"), &got.dq[at..at + d], want.0, want.1, !r.row_sees[i])?;
+                    }
+                }
+                for j in (0..self.seq_k).filter(|&j| !skip(true, b, hk, j)) {
+                    let at = self.row_at(self.heads_kv, self.seq_k, b, hk, j);
+                    let x = j * d;
+                    let zero = !r.key_seen[j];
+                    cmp(
+                        format!("dk[{b}][{hk}][{j}]"),
+                        &got.dk[at..at + d],
+                        &r.dk[x..x + d],
+                        &r.dk_tol[x..x + d],
+                        zero,
+                    )?;
+                    cmp(
+                        format!("dv[{b}][{hk}][{j}]"),
+                        &got.dv[at..at + d],
+                        &r.dv[x..x + d],
+                        &r.dv_tol[x..x + d],
+                        zero,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_backward(&self, dev: &Device) -> Result<(), String> {
+        let got = self.run_backward(dev)?;
+        self.check_grads(&got, |_, _, _, _| false)
     }
 }
 
@@ -404,6 +540,229 @@ fn errors(dev: &Device) -> Result<(), String> {
     Ok(())
 }
 
+// --- the backward -------------------------------------------------------------------------------
+
+/// Every head dim, each mask, Sq above and below Sk (1, 17, 100, 130, 200, 257), GQA and MQA, a
+/// window, both layouts and dtypes: the backward against the reference on every element.
+fn backward_shapes(dev: &Device) -> Result<(), String> {
+    let seqs = [(1usize, 1usize), (17, 17), (1, 100), (100, 1), (130, 257), (257, 130), (200, 200)];
+    let heads = [(1usize, 1usize), (8, 2), (4, 1)];
+    let mut n = 0u64;
+    for (di, d) in [8usize, 64, 96, 128, 256].into_iter().enumerate() {
+        for (si, &(sq, sk)) in seqs.iter().enumerate() {
+            // Each pair of the mask, heads, dtype and layout meets over the head dims.
+            let causal = CAUSALS[(di + si + 1) % 3];
+            let (hq, hkv) = heads[(di + 2 * si) % 3];
+            let dt = if (di + si) % 2 == 0 { DType::F16 } else { DType::BF16 };
+            let layout = if si % 2 == 0 { Layout::Bshd } else { Layout::Bhsd };
+            // Fewer heads where D and S are large: the f64 reference is the test's cost.
+            let hq = if d * sq * sk > 64 * 200 * 200 { hq.min(4) } else { hq };
+            let hkv = hkv.min(hq);
+            let mut cs = Case::new(200 + n, dt, layout, (2, hq, hkv, sq, sk, d), causal);
+            match si {
+                3 => cs.scale = Some(0.3),
+                5 => cs.window = Some((40, 7)),
+                6 => cs.scale = Some(-0.6),
+                _ => {}
+            }
+            cs.check_backward(dev)?;
+            n += 1;
+        }
+    }
+    Ok(())
+}
+
+fn backward_random(dev: &Device) -> Result<(), String> {
+    let strat = (
+        (prop_oneof![Just(DType::BF16), Just(DType::F16)], prop_oneof![Just(Layout::Bhsd), Just(Layout::Bshd)]),
+        ((1usize..=32).prop_map(|x| 8 * x), seq(), prop_oneof![3 => seq(), 1 => Just(0usize)]),
+        (1usize..3, prop_oneof![Just((1usize, 1usize)), Just((2, 1)), Just((4, 2)), Just((3, 3)), Just((4, 1))]),
+        (0usize..3, prop_oneof![3 => Just(None), 1 => (0usize..80, 0usize..80).prop_map(Some)]),
+        prop_oneof![3 => Just(None), 1 => (-1.0f32..1.0).prop_map(Some)],
+        any::<u64>(),
+    );
+    prop(24, strat, |((dt, layout), (d, sq, sk), (batch, (hq, hkv)), (causal, window), scale, seed)| {
+        let mut cs = Case::new(seed, dt, layout, (batch, hq, hkv, sq, sk, d), CAUSALS[causal]);
+        cs.window = window;
+        cs.scale = scale;
+        cs.check_backward(dev)
+    })
+}
+
+/// Long sequences, every element: 1000 (MQA, GQA with a window) and 4097 (one head, D 64, the
+/// f64 reference's limit) queries and keys.
+fn backward_long(dev: &Device) -> Result<(), String> {
+    let (s, m) = if sanitizer() { (300, 200) } else { (4097, 1000) };
+    let cases = [
+        (DType::BF16, Layout::Bshd, (1, 4, 1, m, m, 128), Causal::BottomRight, None),
+        (DType::F16, Layout::Bhsd, (1, 4, 2, m, m + 3, 256), Causal::None, Some((300, 40))),
+        (DType::F16, Layout::Bhsd, (1, 1, 1, s, s, 64), Causal::TopLeft, None),
+        (DType::BF16, Layout::Bshd, (1, 2, 1, s, 300, 64), Causal::None, None),
+    ];
+    for (i, (dt, layout, sizes, causal, window)) in cases.into_iter().enumerate() {
+        let mut cs = Case::new(500 + i as u64, dt, layout, sizes, causal);
+        cs.window = window;
+        cs.check_backward(dev)?;
+    }
+    Ok(())
+}
+
+/// Rows that see no key get zero gradients, keys no row sees exact zeros (checked by
+/// `check_grads` wherever they occur; here they do): bottom-right with Sq > Sk, windows that
+/// leave early rows, or most keys, unseen, top-left with Sk > Sq, no keys, no queries.
+fn backward_masked(dev: &Device) -> Result<(), String> {
+    for (n, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        let n = 10 * n as u64;
+        let mut cases = vec![
+            Case::new(600 + n, dt, Layout::Bhsd, (2, 2, 1, 150, 40, 64), Causal::BottomRight),
+            Case::new(601 + n, dt, Layout::Bhsd, (1, 3, 3, 50, 200, 128), Causal::TopLeft),
+            Case::new(602 + n, dt, Layout::Bhsd, (2, 4, 2, 70, 0, 64), Causal::None),
+            Case::new(603 + n, dt, Layout::Bshd, (2, 2, 1, 0, 90, 64), Causal::None),
+        ];
+        let mut w = Case::new(604 + n, dt, Layout::Bshd, (1, 3, 3, 100, 20, 32), Causal::None);
+        w.window = Some((5, 3));
+        cases.push(w);
+        // Each row sees 3 keys at the bottom right: keys 0..88 are seen by none.
+        let mut w = Case::new(605 + n, dt, Layout::Bhsd, (1, 2, 2, 10, 100, 96), Causal::BottomRight);
+        w.window = Some((2, 0));
+        cases.push(w);
+        for cs in &cases {
+            let keys = cs.key_ranges();
+            let blind_row = keys.iter().any(|&(a, b)| b <= a);
+            let blind_key = (0..cs.seq_k).any(|j| !keys.iter().any(|&(a, b)| a <= j && j < b));
+            if !blind_row && !blind_key {
+                return Err(format!("{}: every row sees a key and every key is seen", cs.describe()));
+            }
+            cs.check_backward(dev)?;
+        }
+    }
+    Ok(())
+}
+
+/// Empty batches or heads give empty gradients of the right shapes.
+fn backward_empty(dev: &Device) -> Result<(), String> {
+    for (b, hq, sq, sk) in [(0usize, 2usize, 10usize, 10usize), (1, 0, 5, 5), (0, 0, 0, 0)] {
+        let cs = Case::new(700, DType::BF16, Layout::Bshd, (b, hq, hq.min(1), sq, sk, 64), Causal::None);
+        let got = cs.run_backward(dev)?;
+        if !(got.dq.is_empty() && got.dk.is_empty() && got.dv.is_empty()) {
+            return Err(format!("{}: gradients not empty", cs.describe()));
+        }
+    }
+    Ok(())
+}
+
+/// A NaN in one query row: its own dq is NaN, and so are dk and dv of the keys it sees (as in
+/// the naive formula); rows of dq outside its block of 64 rows, other heads, and keys that
+/// share no tile with it (256 on: no block of up to 128 keys holds both them and a key the row
+/// sees, and none of up to 128 rows holds the row and one that sees them) stay finite and
+/// match.
+fn backward_nan(dev: &Device) -> Result<(), String> {
+    let (h, r, d, s) = (1usize, 3usize, 64usize, 300usize);
+    for (n, dt) in [DType::BF16, DType::F16].into_iter().enumerate() {
+        let mut cs = Case::new(800 + n as u64, dt, Layout::Bhsd, (1, 2, 1, s, s, d), Causal::TopLeft);
+        let at = cs.row_at(2, s, 0, h, r);
+        cs.q[at + 5] = f32::NAN;
+        let got = cs.run_backward(dev)?;
+        if !got.dq[at..at + d].iter().all(|x| x.is_nan()) {
+            return Err(format!("{dt:?}: dq of the NaN row is not NaN"));
+        }
+        for j in 0..=r {
+            let kt = cs.row_at(1, s, 0, 0, j);
+            if !got.dk[kt..kt + d].iter().chain(&got.dv[kt..kt + d]).all(|x| x.is_nan()) {
+                return Err(format!("{dt:?}: dk or dv of key {j}, which the NaN row sees, is not NaN"));
+            }
+        }
+        cs.check_grads(&got, |key_side, _, head, row| if key_side { row < 256 } else { head == h && row < 64 })?;
+    }
+    Ok(())
+}
+
+/// Two runs on the same inputs give the same bits (no atomics): GQA with a causal mask, MQA over
+/// many keys.
+fn backward_deterministic(dev: &Device) -> Result<(), String> {
+    let cases = [
+        Case::new(900, DType::BF16, Layout::Bshd, (2, 4, 2, 300, 257, 96), Causal::BottomRight),
+        Case::new(901, DType::F16, Layout::Bhsd, (1, 8, 1, 130, 700, 64), Causal::None),
+    ];
+    for cs in &cases {
+        let (q, k, v) = cs.upload(dev)?;
+        let opts = cs.opts();
+        let (out, lse) = ops::attention(&q, &k, &v, &opts).map_err(e)?;
+        let dout = tensor(dev, &cs.dout, &cs.shape(cs.heads_q, cs.seq_q), cs.dt)?;
+        let run = || -> Result<Vec<Vec<u32>>, String> {
+            let (dq, dk, dv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, &opts).map_err(e)?;
+            [dq, dk, dv]
+                .iter()
+                .map(|t| t.to_f32_vec().map(|x| x.iter().map(|v| v.to_bits()).collect()).map_err(e))
+                .collect()
+        };
+        let (a, b) = (run()?, run()?);
+        for (what, (x, y)) in ["dq", "dk", "dv"].iter().zip(a.iter().zip(&b)) {
+            if x != y {
+                return Err(format!("{}: {what} differs between two runs", cs.describe()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wrong shapes or dtypes of `out`, `lse` and `dout`, and the forward's own errors, are typed
+/// errors of `attention_backward`.
+fn backward_errors(dev: &Device) -> Result<(), String> {
+    let t = |s: &[usize], dt: DType| Tensor::zeros(dev, s, dt).map_err(e);
+    let o = AttentionOpts::default();
+    let (q, k) = (t(&[1, 4, 10, 64], DType::BF16)?, t(&[1, 2, 12, 64], DType::BF16)?);
+    let (out, lse, dout) =
+        (t(&[1, 4, 10, 64], DType::BF16)?, t(&[1, 4, 10], DType::F32)?, t(&[1, 4, 10, 64], DType::BF16)?);
+    // The right shapes and dtypes run.
+    ops::attention_backward(&q, &k, &k, &out, &lse, &dout, &o).map_err(e)?;
+    type Grads3 = kernels::Result<(Tensor, Tensor, Tensor)>;
+    let shape_err = |r: Grads3, what: &str| match r {
+        Err(
+            Error::ShapeMismatch { op: "attention_backward", .. }
+            | Error::InvalidArgument { op: "attention_backward", .. },
+        ) => Ok(()),
+        other => Err(format!("{what}: expected ShapeMismatch or InvalidArgument, got {other:?}")),
+    };
+    let dtype_err = |r: Grads3, what: &str| match r {
+        Err(
+            Error::DTypeMismatch { op: "attention_backward", .. }
+            | Error::InvalidArgument { op: "attention_backward", .. },
+        ) => Ok(()),
+        other => Err(format!("{what}: expected DTypeMismatch or InvalidArgument, got {other:?}")),
+    };
+    let bwd = |out: &Tensor, lse: &Tensor, dout: &Tensor| ops::attention_backward(&q, &k, &k, out, lse, dout, &o);
+    for s in [&[1usize, 4, 11, 64][..], &[1, 4, 10, 32], &[4, 10, 64], &[1, 2, 10, 64], &[1, 10, 4, 64]] {
+        shape_err(bwd(&t(s, DType::BF16)?, &lse, &dout), &format!("out {s:?}"))?;
+        shape_err(bwd(&out, &lse, &t(s, DType::BF16)?), &format!("dout {s:?}"))?;
+    }
+    for s in [&[1usize, 4, 11][..], &[1, 4, 10, 1], &[4, 10], &[1, 10, 4], &[40]] {
+        shape_err(bwd(&out, &t(s, DType::F32)?, &dout), &format!("lse {s:?}"))?;
+    }
+    for dt in [DType::F16, DType::F32] {
+        dtype_err(bwd(&t(&[1, 4, 10, 64], dt)?, &lse, &dout), &format!("out {dt:?}"))?;
+        dtype_err(bwd(&out, &lse, &t(&[1, 4, 10, 64], dt)?), &format!("dout {dt:?}"))?;
+    }
+    for dt in [DType::BF16, DType::F16] {
+        dtype_err(bwd(&out, &t(&[1, 4, 10], dt)?, &dout), &format!("lse {dt:?}"))?;
+    }
+    // The forward's checks of q, k, v and the options.
+    let k16 = t(&[1, 2, 12, 64], DType::F16)?;
+    dtype_err(ops::attention_backward(&q, &k16, &k, &out, &lse, &dout, &o), "k f16")?;
+    let k_bad = t(&[1, 2, 13, 64], DType::BF16)?;
+    shape_err(ops::attention_backward(&q, &k, &k_bad, &out, &lse, &dout, &o), "v of another shape")?;
+    let q32 = t(&[1, 4, 10, 64], DType::F32)?;
+    let o32 = t(&[1, 4, 10, 64], DType::F32)?;
+    dtype_err(ops::attention_backward(&q32, &q32, &q32, &o32, &lse, &o32, &o), "f32 inputs")?;
+    let k3 = t(&[1, 3, 12, 64], DType::BF16)?;
+    shape_err(ops::attention_backward(&q, &k3, &k3, &out, &lse, &dout, &o), "3 key heads for 4")?;
+    let nan = AttentionOpts { scale: Some(f32::NAN), ..o };
+    match ops::attention_backward(&q, &k, &k, &out, &lse, &dout, &nan) {
+        Err(Error::InvalidArgument { op: "attention_backward", message }) if message.contains("finite") => Ok(()),
+        other => Err(format!("scale NaN: expected InvalidArgument about \"finite\", got {other:?}")),
+    }
+}
+
 fn main() -> ExitCode {
     let tests = vec![
         test("attention/shapes", shapes),
@@ -414,6 +773,14 @@ fn main() -> ExitCode {
         test("attention/layouts_agree", layouts_agree),
         test("attention/empty", empty),
         test("attention/errors", errors),
+        test("attention/backward_shapes", backward_shapes),
+        test("attention/backward_random", backward_random),
+        test("attention/backward_long", backward_long),
+        test("attention/backward_masked", backward_masked),
+        test("attention/backward_empty", backward_empty),
+        test("attention/backward_nan", backward_nan),
+        test("attention/backward_deterministic", backward_deterministic),
+        test("attention/backward_errors", backward_errors),
     ];
     run(tests)
 }

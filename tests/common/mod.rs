@@ -8,6 +8,7 @@
 //! element a kernel forgets to write shows up as NaN.
 #![allow(dead_code)]
 
+pub mod attention_bwd_ref;
 pub mod attention_ref;
 pub mod linear_ref;
 pub mod reference;
