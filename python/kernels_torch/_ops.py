@@ -1179,7 +1179,8 @@ def scaled_dot_product_attention(
         if t.dim() < 3:
             _sdpa_refuse(f"{name} must be [..., heads, seq, head_dim] (rank 3 or more), got shape {list(t.shape)}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        _sdpa_refuse(f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, {value.dtype}", TypeError)
+        dts = f"{query.dtype}, {key.dtype}, {value.dtype}"
+        _sdpa_refuse(f"query, key and value must have one dtype, got {dts}", TypeError)
     if key.device != query.device or value.device != query.device:
         _sdpa_refuse(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
     if query.dim() != key.dim() or key.shape[:-1] != value.shape[:-1] or query.shape[:-3] != key.shape[:-3]:
@@ -1199,7 +1200,8 @@ def scaled_dot_product_attention(
     if hq != hkv:
         if not enable_gqa:
             _sdpa_refuse(
-                f"query has {hq} heads and key/value {hkv}: grouped-query attention needs enable_gqa=True (as PyTorch's)"
+                f"query has {hq} heads and key/value {hkv}: grouped-query attention needs enable_gqa=True "
+                "(as PyTorch's)"
             )
         if hkv == 0 or hq % hkv:
             _sdpa_refuse(f"with enable_gqa the query heads ({hq}) must be a multiple of the key/value heads ({hkv})")
@@ -1215,8 +1217,9 @@ def scaled_dot_product_attention(
     else:
         q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
     ts = (q4, k4, v4)
-    # The layout more of the inputs already have (contiguous first on a tie: PyTorch's own).
-    layout = 1 if sum(_is_bshd(t) and not _is_bhsd(t) for t in ts) > sum(_is_bhsd(t) for t in ts) else 0
+    # The layout more of the inputs already have (a tensor with one head or one row is both;
+    # contiguous first on a tie: PyTorch's own).
+    layout = 1 if sum(_is_bshd(t) for t in ts) > sum(_is_bhsd(t) for t in ts) else 0
     if layout == 1:
         q4, k4, v4 = (t.transpose(1, 2) for t in ts)  # contiguous [B, S, H, D] where they were Bshd
     out = _call("attention", q4, k4, v4, layout, causal, scale, wl, wr)[0]
