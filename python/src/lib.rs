@@ -784,7 +784,9 @@ fn attention_opts(layout: u8, causal: u8, scale: Option<f32>, window: (i64, i64)
         0 => Layout::Bhsd,
         1 => Layout::Bshd,
         _ => {
-            return Err(PyValueError::new_err(format!("attention layout code {layout}: expected 0 (Bhsd) or 1 (Bshd)")));
+            return Err(PyValueError::new_err(format!(
+                "attention layout code {layout}: expected 0 (Bhsd) or 1 (Bshd)"
+            )));
         }
     };
     let causal = match causal {
