@@ -23,9 +23,9 @@ upper bound of the joint peak.
 Output: a table, one JSON line per measurement (``{"op": "attention", ...}``), and the whole as
 JSON in OUT.json, else ``$OUT/python-bench-attention.json`` if $OUT is set: ``{"device", "torch",
 "results": [{"shape", "B", "H", "S", "D", "causal", "layout", "dir" ("fwd", "bwd", "mem"),
-"ours_ms", "torch_ms", "ratio" (torch / ours), "ours_tflops", "torch_tflops"} or for "mem"
-{"ours_torch_bytes", "ours_pool_bytes", "ours_peak_bytes", "torch_peak_bytes"}; "ours_error" or
-"torch_error" where a side failed]}``.
+"ours_ms", "torch_ms", "ratio" (torch / ours), "ours_tflops", "torch_tflops"}, or for "mem"
+"<side>_torch_bytes", "<side>_pool_bytes" (null where the pool cannot be read) and
+"<side>_peak_bytes" for the sides "ours" and "torch"; "<side>_error" where a side failed]}``.
 """
 
 import ctypes
