@@ -10,6 +10,9 @@ CPU tensors.
     y = kernels_torch.gelu(x)                       # torch.ops.rustkernels.gelu
     y.sum().backward()                              # torch.ops.rustkernels.gelu_backward
 
+``scaled_dot_product_attention`` is ``F.scaled_dot_product_attention`` (bf16/f16, causal, GQA) on
+the library's FlashAttention kernels.
+
 Without PyTorch installed only ``cuda_status`` and the native layer (``kernels_torch._native``)
 are available.
 """
@@ -72,6 +75,7 @@ else:
         log_softmax,
         rms_norm,
         scale_bias_act,
+        scaled_dot_product_attention,
         softmax,
         swish,
     )
@@ -93,6 +97,7 @@ else:
         "nn",
         "rms_norm",
         "scale_bias_act",
+        "scaled_dot_product_attention",
         "set_float32_matmul_precision",
         "softmax",
         "swish",

@@ -970,3 +970,263 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     if grad and act in _NEEDS_PRE:
         return _call("linear_train", x, weight, bias, act)[0]
     return _call("linear", x, weight, bias, act)
+
+
+# --- scaled dot-product attention ---------------------------------------------------------------
+#
+# The library's FlashAttention (bf16 and f16 on the tensor cores; f32 statistics). Two ops:
+# - attention: (q, k, v) -> (out, lse), each tensor contiguous in one memory layout, ``layout`` 0
+#   (``[B, H, S, D]``, "Bhsd") or 1 (``[B, S, H, D]``, "Bshd"); out in q's layout, lse f32
+#   ``[B, Hq, Sq]`` (the natural log of each row's softmax denominator, -inf for a row that sees
+#   no key).
+# - attention_backward: (q, k, v, out, lse, grad) -> (dq, dk, dv), in the same layout.
+# ``scaled_dot_product_attention`` below takes PyTorch's ``[B, H, S, D]`` tensors, picks the
+# layout they already are in (a contiguous tensor is Bhsd, the ``transpose(1, 2)`` of a
+# contiguous ``[B, S, H, D]`` is Bshd) and returns the output as PyTorch's shape (a transposed
+# view for Bshd).
+
+_LAYOUTS = ("bhsd", "bshd")
+_CAUSAL = {"none": 0, "top_left": 1, "bottom_right": 2}
+_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+_ATTN_SCHEMA_OPTS = "int layout, int causal, float? scale, int window_left, int window_right"
+
+
+def _attn_check(op: str, q: Tensor, k: Tensor, v: Tensor, layout: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the kernels need them (CUDA, bf16 or f16, one dtype and device, contiguous and
+    16-byte aligned, copied if not) with consistent rank-4 shapes in ``layout``."""
+    if layout not in (0, 1):
+        raise ValueError(f"{NS}::{op}: layout must be 0 (Bhsd) or 1 (Bshd), got {layout}")
+    q = _check(op, "q", q)
+    if q.dtype not in _ATTN_DTYPES:
+        raise TypeError(f"{NS}::{op}: q has dtype {q.dtype}; attention takes bfloat16 or float16")
+    k, v = _check(op, "k", k, like=q), _check(op, "v", v, like=q)
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"{NS}::{op}: q, k and v must have rank 4 ({_LAYOUTS[layout]}) and v k's shape, got "
+            f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+        )
+    return q, k, v
+
+
+def _attn_lse_shape(q: Tensor, layout: int) -> list:
+    b, x, y, _ = q.shape
+    return [b, x, y] if layout == 0 else [b, y, x]
+
+
+def _attn_native_opts(causal: int, scale: Optional[float], window_left: int, window_right: int) -> tuple:
+    return int(causal), (None if scale is None else float(scale)), (int(window_left), int(window_right))
+
+
+@_custom_op("attention", f"(Tensor q, Tensor k, Tensor v, {_ATTN_SCHEMA_OPTS}) -> (Tensor, Tensor)")
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: int,
+    causal: int,
+    scale: Optional[float],
+    window_left: int,
+    window_right: int,
+) -> tuple[Tensor, Tensor]:
+    op = "attention"
+    q, k, v = _attn_check(op, q, k, v, layout)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = _new(_attn_lse_shape(q, layout), q, torch.float32)
+    dev, stream, dt = _where(q)
+    c, s, w = _attn_native_opts(causal, scale, window_left, window_right)
+    _native.attention_fwd(
+        dev, stream, dt, layout, c, s, w, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        list(q.shape), list(k.shape),
+    )  # fmt: skip
+    return out, lse
+
+
+@attention_op.register_fake
+def _(q, k, v, layout, causal, scale, window_left, window_right):
+    return q.new_empty(q.shape), q.new_empty(_attn_lse_shape(q, layout), dtype=torch.float32)
+
+
+@_custom_op(
+    "attention_backward",
+    f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad, {_ATTN_SCHEMA_OPTS}) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def attention_backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    layout: int,
+    causal: int,
+    scale: Optional[float],
+    window_left: int,
+    window_right: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    op = "attention_backward"
+    q, k, v = _attn_check(op, q, k, v, layout)
+    out = _check(op, "out", out, like=q)
+    grad = _check(op, "grad", grad, like=q)
+    lse = _check(op, "lse", lse, like=q, dtype=torch.float32)
+    if out.shape != q.shape or grad.shape != q.shape or list(lse.shape) != _attn_lse_shape(q, layout):
+        raise ValueError(
+            f"{NS}::{op}: out and grad must have q's shape {list(q.shape)} and lse {_attn_lse_shape(q, layout)}, "
+            f"got {list(out.shape)}, {list(grad.shape)}, {list(lse.shape)}"
+        )
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dev, stream, dt = _where(q)
+    c, s, w = _attn_native_opts(causal, scale, window_left, window_right)
+    _native.attention_bwd(
+        dev, stream, dt, layout, c, s, w, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        grad.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), list(q.shape), list(k.shape),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@attention_backward_op.register_fake
+def _(q, k, v, out, lse, grad, layout, causal, scale, window_left, window_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.opts = tuple(inputs[3:])
+    ctx.mark_non_differentiable(lse)
+
+
+def _attn_backward(ctx, grad, _glse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd(ctx, "attention_backward")(q, k, v, out, lse, grad, *ctx.opts)
+    return (dq, dk, dv) + (None,) * len(ctx.opts)
+
+
+_autograd(attention_op, "attention", _attn_backward, _attn_setup)
+
+
+def _is_bhsd(t: Tensor) -> bool:
+    return t.is_contiguous()
+
+
+def _is_bshd(t: Tensor) -> bool:
+    return t.transpose(1, 2).is_contiguous()
+
+
+def _sdpa_refuse(msg: str, exc=ValueError):
+    raise exc(f"scaled_dot_product_attention: {msg}")
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: str = "top_left",
+    window: Optional[tuple[int, int]] = None,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` on the library's FlashAttention kernels (forward and
+    backward), for CUDA tensors of bfloat16 or float16.
+
+    Takes what PyTorch's takes, of shapes ``[B, H, S, D]`` (or ``[H, S, D]``, or more leading
+    dimensions): ``query [..., Hq, Sq, D]``, ``key`` and ``value [..., Hkv, Sk, D]``;
+    ``is_causal``: PyTorch's mask (query ``i`` sees keys ``j <= i``, the diagonal from the top
+    left, also when ``Sq != Sk``); ``scale``: the factor of ``Q K^T``, ``1/sqrt(D)`` if None;
+    ``enable_gqa``: grouped-query attention, ``Hq`` a multiple of ``Hkv`` (query head ``h`` uses
+    key/value head ``h // (Hq // Hkv)``, as PyTorch's). Returns ``[..., Hq, Sq, D]``; autograd
+    gives the gradients of query, key and value.
+
+    Memory layout, without copies where possible: a contiguous ``[B, H, S, D]`` tensor is read in
+    place, and so is one that is the ``transpose(1, 2)`` of a contiguous ``[B, S, H, D]`` (what a
+    projection's output ``.view(B, S, H, D).transpose(1, 2)`` gives); the kernels then run in that
+    layout, and the output is the same kind of view (``[B, H, S, D]`` whose memory is ``[B, S, H,
+    D]``). Whichever layout more of the three inputs have is used; any other tensor (another
+    view, a slice of a fused QKV projection, a misaligned one) is copied into it first.
+
+    Beyond PyTorch's arguments (keyword-only): ``causal_alignment="bottom_right"`` with
+    ``is_causal`` puts the diagonal at the bottom right (query ``i`` sees keys ``j <= i + Sk -
+    Sq``, FlashAttention's, as with a KV cache); ``window=(left, right)`` a sliding window: query
+    ``i`` sees keys ``c(i) - left <= j <= c(i) + right`` (``c(i)`` the diagonal; ``right`` is cut to
+    0 under ``is_causal``; a negative side is unbounded). A query that sees no key gets zeros
+    (PyTorch's gives NaN).
+
+    Refused (with an error saying so): ``attn_mask``, ``dropout_p != 0``, dtypes other than
+    bfloat16 and float16 (TypeError), CPU tensors, head dims that are not a multiple of 8 from 8
+    to 256, a ``value`` whose head dim differs from ``key``'s, and different head counts without
+    ``enable_gqa`` (as PyTorch).
+    """
+    if attn_mask is not None:
+        _sdpa_refuse("attn_mask is not supported (only is_causal, and the window); pass attn_mask=None")
+    if dropout_p != 0.0:
+        _sdpa_refuse(f"dropout_p={dropout_p} is not supported (attention dropout is not implemented); pass 0.0")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        _sdpa_refuse(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            _sdpa_refuse(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if t.dtype not in _ATTN_DTYPES:
+            _sdpa_refuse(f"{name} has dtype {t.dtype}; the kernels take bfloat16 or float16 (cast first)", TypeError)
+        if t.device.type != "cuda":
+            _sdpa_refuse(f"{name} is on {t.device}; the kernels run on CUDA tensors only{_cuda_note()}")
+        if t.dim() < 3:
+            _sdpa_refuse(f"{name} must be [..., heads, seq, head_dim] (rank 3 or more), got shape {list(t.shape)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        dts = f"{query.dtype}, {key.dtype}, {value.dtype}"
+        _sdpa_refuse(f"query, key and value must have one dtype, got {dts}", TypeError)
+    if key.device != query.device or value.device != query.device:
+        _sdpa_refuse(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+    if query.dim() != key.dim() or key.shape[:-1] != value.shape[:-1] or query.shape[:-3] != key.shape[:-3]:
+        _sdpa_refuse(
+            f"query [..., Hq, Sq, D], key and value [..., Hkv, Sk, D] must share their leading dimensions, "
+            f"and key and value their heads and length, got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+        )
+    d = query.shape[-1]
+    if key.shape[-1] != d or value.shape[-1] != d:
+        _sdpa_refuse(
+            f"query, key and value must have one head dim (a value head dim of its own is not supported), got "
+            f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}"
+        )
+    if d % 8 or not 8 <= d <= 256:
+        _sdpa_refuse(f"the head dim must be a multiple of 8 from 8 to 256, got {d}")
+    hq, hkv = query.shape[-3], key.shape[-3]
+    if hq != hkv:
+        if not enable_gqa:
+            _sdpa_refuse(
+                f"query has {hq} heads and key/value {hkv}: grouped-query attention needs enable_gqa=True "
+                "(as PyTorch's)"
+            )
+        if hkv == 0 or hq % hkv:
+            _sdpa_refuse(f"with enable_gqa the query heads ({hq}) must be a multiple of the key/value heads ({hkv})")
+    causal = _CAUSAL[causal_alignment] if is_causal else 0
+    # -1: an unbounded side (both: no window).
+    wl, wr = (-1, -1) if window is None else (max(int(window[0]), -1), max(int(window[1]), -1))
+
+    lead = query.shape[:-3]
+    if query.dim() == 3:
+        q4, k4, v4 = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    elif query.dim() == 4:
+        q4, k4, v4 = query, key, value
+    else:
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    ts = (q4, k4, v4)
+    # The layout more of the inputs already have (a tensor with one head or one row is both;
+    # contiguous first on a tie: PyTorch's own).
+    layout = 1 if sum(_is_bshd(t) for t in ts) > sum(_is_bhsd(t) for t in ts) else 0
+    if layout == 1:
+        q4, k4, v4 = (t.transpose(1, 2) for t in ts)  # contiguous [B, S, H, D] where they were Bshd
+    out = _call("attention", q4, k4, v4, layout, causal, scale, wl, wr)[0]
+    if layout == 1:
+        out = out.transpose(1, 2)
+    if query.dim() == 3:
+        return out.squeeze(0)
+    if query.dim() > 4:
+        return out.unflatten(0, lead)
+    return out

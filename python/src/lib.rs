@@ -14,8 +14,8 @@
 //! exception naming the op.
 
 use kernels::ops::{
-    self, Activation, BinaryOp, CrossEntropyOpts, Gemm, NormGrads, NormStats, Precision, ReduceOp, Reduction,
-    ScaleBiasActGrads, UnaryOp,
+    self, Activation, AttentionOpts, BinaryOp, Causal, CrossEntropyOpts, Gemm, Layout, NormGrads, NormStats, Precision,
+    ReduceOp, Reduction, ScaleBiasActGrads, UnaryOp,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -775,6 +775,145 @@ fn linear_bwd(
     })
 }
 
+/// The options of an attention call: `layout` 0 Bhsd (`[B, H, S, D]`), 1 Bshd (`[B, S, H, D]`);
+/// `causal` 0 none, 1 top left (PyTorch's `is_causal`), 2 bottom right; `scale` None for
+/// `1/sqrt(D)`; a window `(left, right)` where a negative side is unbounded, and no window if both
+/// are.
+fn attention_opts(layout: u8, causal: u8, scale: Option<f32>, window: (i64, i64)) -> PyResult<AttentionOpts> {
+    let layout = match layout {
+        0 => Layout::Bhsd,
+        1 => Layout::Bshd,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "attention layout code {layout}: expected 0 (Bhsd) or 1 (Bshd)"
+            )));
+        }
+    };
+    let causal = match causal {
+        0 => Causal::None,
+        1 => Causal::TopLeft,
+        2 => Causal::BottomRight,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "attention causal code {causal}: expected 0 (none), 1 (top left) or 2 (bottom right)"
+            )));
+        }
+    };
+    let side = |x: i64| usize::try_from(x).unwrap_or(usize::MAX);
+    let window = if window.0 < 0 && window.1 < 0 { None } else { Some((side(window.0), side(window.1))) };
+    Ok(AttentionOpts { causal, scale, window, layout })
+}
+
+/// A rank-4 shape from Python.
+fn shape4(what: &str, s: &[usize]) -> PyResult<[usize; 4]> {
+    <[usize; 4]>::try_from(s)
+        .map_err(|_| PyValueError::new_err(format!("attention: {what} must have rank 4, got {s:?}")))
+}
+
+/// `out` and `lse` of `ops::attention` into `out`, `lse`, tensors the caller allocated. The op
+/// returns tensors it allocated itself (stream-ordered on PyTorch's stream, inside `Call::run`),
+/// so each is copied once into PyTorch's (an identity pass; `ops::attention` has no `_out`
+/// variant yet).
+fn copy_into(from: &Tensor, to: &mut Tensor) -> kernels::Result<()> {
+    ops::unary_out(from, Activation::Identity, to)
+}
+
+/// Scaled dot-product attention, forward: q (`q_shape`, in `layout`'s order), k and v
+/// (`kv_shape`), all of the call's dtype (bf16 or f16), into `out` (q's shape) and the f32 `lse`
+/// (`[B, Hq, Sq]`). Options as [`attention_opts`].
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn attention_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    causal: u8,
+    scale: Option<f32>,
+    window: (i64, i64),
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    q_shape: Vec<usize>,
+    kv_shape: Vec<usize>,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let opts = attention_opts(layout, causal, scale, window)?;
+    let qs = shape4("q", &q_shape)?;
+    let ks = shape4("k", &kv_shape)?;
+    let (b, hq, sq) = match opts.layout {
+        Layout::Bhsd => (qs[0], qs[1], qs[2]),
+        Layout::Bshd => (qs[0], qs[2], qs[1]),
+    };
+    // SAFETY: see `unary_fwd_with`; lse holds `b * hq * sq` f32.
+    let (q, k, v, mut out, mut lse) =
+        unsafe { (c.t(q, &qs)?, c.t(k, &ks)?, c.t(v, &ks)?, c.t(out, &qs)?, c.f32(lse, &[b, hq, sq])?) };
+    c.run(py, || {
+        let (o, l) = ops::attention(&q, &k, &v, &opts)?;
+        copy_into(&o, &mut out)?;
+        copy_into(&l, &mut lse)
+    })
+}
+
+/// Scaled dot-product attention, backward: from the forward's inputs, its `out` and `lse`, and
+/// `dout` (out's gradient), the gradients `dq` (q's shape), `dk` and `dv` (k's); shapes, dtype
+/// and options as `attention_fwd`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn attention_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    causal: u8,
+    scale: Option<f32>,
+    window: (i64, i64),
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    dout: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    q_shape: Vec<usize>,
+    kv_shape: Vec<usize>,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let opts = attention_opts(layout, causal, scale, window)?;
+    let qs = shape4("q", &q_shape)?;
+    let ks = shape4("k", &kv_shape)?;
+    let (b, hq, sq) = match opts.layout {
+        Layout::Bhsd => (qs[0], qs[1], qs[2]),
+        Layout::Bshd => (qs[0], qs[2], qs[1]),
+    };
+    // SAFETY: see `attention_fwd`; dq has q's shape, dk and dv k's.
+    let (q, k, v, out, lse, dout, mut dq, mut dk, mut dv) = unsafe {
+        (
+            c.t(q, &qs)?,
+            c.t(k, &ks)?,
+            c.t(v, &ks)?,
+            c.t(out, &qs)?,
+            c.f32(lse, &[b, hq, sq])?,
+            c.t(dout, &qs)?,
+            c.t(dq, &qs)?,
+            c.t(dk, &ks)?,
+            c.t(dv, &ks)?,
+        )
+    };
+    c.run(py, || {
+        let (gq, gk, gv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, &opts)?;
+        copy_into(&gq, &mut dq)?;
+        copy_into(&gk, &mut dk)?;
+        copy_into(&gv, &mut dv)
+    })
+}
+
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
 /// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
 #[pyfunction]
@@ -846,5 +985,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(linear_train_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(linear_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_bwd, m)?)?;
     Ok(())
 }

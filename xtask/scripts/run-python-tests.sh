@@ -7,9 +7,11 @@
 #  1. unless --bench-only: pytest on the bundle's python/tests, with KERNELS_REQUIRE_GPU=1 (a
 #     missing GPU fails instead of skipping); log $OUT/python-tests.log;
 #  2. unless --tests-only: python/bench.py (KERNELS_PY_BENCH_ARGS, e.g. --quick, passed on),
-#     writing $OUT/python-bench.json (else ./python-bench.json); then the bundle's
-#     torch_paired.py (the small sizes, ours and PyTorch's kernels paired in one process),
-#     writing $OUT/torch-paired.json; log $OUT/python-bench.log.
+#     writing $OUT/python-bench.json (else ./python-bench.json); python/bench_attention.py
+#     (attention against PyTorch's SDPA; --quick passed on), writing
+#     $OUT/python-bench-attention.json; then the bundle's torch_paired.py (the small sizes, ours
+#     and PyTorch's kernels paired in one process), writing $OUT/torch-paired.json; log
+#     $OUT/python-bench.log.
 # PYTHON picks the interpreter (default python3). The last line is `python: N passed, N failed,
 # N skipped` (the test counts). Exit status 1 if the install or a test failed; a bench failure
 # is reported but does not change it.
@@ -74,6 +76,15 @@ if [ "$BENCH" -eq 1 ]; then
   "$PYTHON" "$B/python/bench.py" "$json" ${KERNELS_PY_BENCH_ARGS:-} 2>&1 | tee -a "$BLOG"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || echo "python: bench.py FAILED (exit status $rc; not counted)"
+  if [ -f "$B/python/bench_attention.py" ]; then
+    json="$RES/python-bench-attention.json"
+    quick=""; case " ${KERNELS_PY_BENCH_ARGS:-} " in *" --quick "*) quick="--quick" ;; esac
+    echo "== python: bench_attention.py $json $quick" | tee -a "$BLOG"
+    # shellcheck disable=SC2086
+    "$PYTHON" "$B/python/bench_attention.py" "$json" $quick 2>&1 | tee -a "$BLOG"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || echo "python: bench_attention.py FAILED (exit status $rc; not counted)"
+  fi
   if [ -f "$B/torch_paired.py" ]; then
     json="$RES/torch-paired.json"
     echo "== python: torch_paired.py $json" | tee -a "$BLOG"

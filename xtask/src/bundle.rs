@@ -223,9 +223,13 @@ fn python_files(root: &Path, dir: &Path, wheel: &Path) -> Result<String, String>
 ",
         name.to_string_lossy()
     );
-    copy(&root.join("python").join("bench.py"), &py.join("bench.py"))?;
-    lines += "python/bench.py
-";
+    for bench in ["bench.py", "bench_attention.py"] {
+        copy(&root.join("python").join(bench), &py.join(bench))?;
+        lines += &format!(
+            "python/{bench}
+"
+        );
+    }
     let mut tests: Vec<PathBuf> = std::fs::read_dir(root.join("python").join("tests"))
         .map_err(|e| format!("cannot read python/tests: {e}"))?
         .flatten()
