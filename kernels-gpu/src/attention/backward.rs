@@ -4,13 +4,13 @@
 //! With `P = softmax(scale Q K^T + mask)` recomputed from the forward's log-sum-exp,
 //! `dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - delta)` with `delta_i = dO_i . O_i`,
 //! `dQ = scale dS K` and `dK = scale dS^T Q`. Three kernels, in this order:
-//! - [`prep`](device::prep): per query row, `delta` and `lse * log2(e)` (the exponent base the
+//! - `prep`: per query row, `delta` and `lse * log2(e)` (the exponent base the
 //!   other two use; `-inf`, a row that saw no key, becomes `+inf`, so its weights are 0) into an
 //!   f32 workspace whose rows are padded to whole query blocks (padding: `+inf` and 0, so that
 //!   padded queries weigh nothing without a mask).
-//! - [`dq`](device::dq): the forward's structure (64 query rows a block, K and V blocks through a
+//! - `dq`: the forward's structure (64 query rows a block, K and V blocks through a
 //!   double-buffered `cp.async` ring) with two more products: `dP` and `dQ += dS K`.
-//! - [`dkdv`](device::dkdv): the transposed structure: 64 keys a block, 16 a warp, K and V
+//! - `dkdv`: the transposed structure: 64 keys a block, 16 a warp, K and V
 //!   loaded once, and the query blocks that see them (of every query head of the group, for
 //!   GQA) streamed through the ring with their `lse` and `delta`. `S^T = K Q^T` is computed
 //!   directly in the layout whose accumulators are the `A` fragments of `dV += P^T dO` and
@@ -20,7 +20,7 @@
 //! Computing dQ in its own kernel costs the recomputation of `S` and `dP` (7 products instead
 //! of FlashAttention-2's 5) and buys determinism without a f32 dQ workspace.
 
-use super::{AttnType, BM, key_range};
+use super::BM;
 
 /// Keys per block of the dK/dV kernels.
 pub const BN_KV: u32 = 64;
@@ -199,6 +199,7 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
 #[cfg(target_arch = "nvptx64")]
 mod device {
     use super::super::device::copy_tile;
+    use super::super::{AttnType, key_range};
     use super::*;
     use crate::prim;
 
