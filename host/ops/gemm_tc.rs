@@ -217,9 +217,9 @@ pub(crate) fn gemm_tc_dims(
 /// tiles than the GPU has clusters of two SMs, and a long enough K, is split along K into as
 /// many slices as fill the GPU (each at least [`WGMMA_MIN_SLICE`] long), computed into an f32
 /// workspace and summed in order by the reduction of the mma.sync path. A single product of at
-/// most 128 rows (where a cluster's second tile would lie below D) and fewer column tiles than
-/// clusters is split so in any case, the two blocks of a cluster on one tile, each with its own
-/// K slice.
+/// most [`WGMMA_MAX_PAIRED_ROWS`] rows (where a cluster's second tile would lie below D) and
+/// fewer column tiles than clusters is split so in any case, the two blocks of a cluster on one
+/// tile, each with its own K slice.
 fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: u32) -> Option<Result<()>> {
     let (batch, m, n, k) = problem;
     // K = 0 (D is the epilogue of zeros) has no tensor to map.
@@ -234,7 +234,7 @@ fn try_fast_path(dev: &Device, problem: Problem, ops: &Operands, g: &Gemm, act: 
     let tiles_n = n.div_ceil(256);
     let cluster_tiles = batch.saturating_mul(m.div_ceil(256)).saturating_mul(tiles_n);
     let clusters = dev.sm_count() as u64 / 2;
-    if batch == 1 && m <= 128 && tiles_n < clusters && k >= 2 * WGMMA_MIN_PAIRED {
+    if batch == 1 && m <= WGMMA_MAX_PAIRED_ROWS && tiles_n < clusters && k >= 2 * WGMMA_MIN_PAIRED {
         // One tile row, fewer tiles than clusters: the blocks of a cluster share each tile, in K
         // slices (with more tiles, the workspace would cost more than the idle blocks).
         let pairs = (clusters / tiles_n).min(k / (2 * WGMMA_MIN_SLICE)).max(1);
@@ -254,6 +254,11 @@ const WGMMA_MIN_SLICE: u64 = 512;
 
 /// The shortest K slice where a product of one tile row pairs the blocks of a cluster: 2 stages.
 const WGMMA_MIN_PAIRED: u64 = 128;
+
+/// The most rows a product may have for the paired split: one consumer warpgroup's 64, so that
+/// each block's other consumer idles. Pairing measured faster than the unpaired kernel at 16
+/// rows and slower at 128, where both consumers are busy (docs/worklog.md, 2026-11-27-next).
+const WGMMA_MAX_PAIRED_ROWS: u64 = 64;
 
 /// [`try_fast_path`]'s split-K: `splits` (about) equal slices of K, a multiple of the stage;
 /// `paired`: `2 * splits` of them, each cluster's two blocks on one tile (at most 128 rows).
