@@ -230,39 +230,40 @@ pub(crate) fn plan(op: &'static str, dims: &Dims, max_smem: u32) -> Result<Plan>
 /// Empty batches or queries (`B = 0`, `Hq = 0`, `Sq = 0`) give empty outputs.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<(Tensor, Tensor)> {
     let op = "attention";
-    check_same_device(op, q, k)?;
-    check_same_device(op, q, v)?;
+    let (dims, _) = check_inputs(op, q, k, v, opts)?;
+    let mut out = Tensor::alloc(op, q.device(), q.shape(), q.dtype())?;
+    let mut lse = Tensor::alloc(op, q.device(), &[dims.batch, dims.heads_q, dims.seq_q], DType::F32)?;
+    attention_out(q, k, v, opts, &mut out, &mut lse)?;
+    Ok((out, lse))
+}
+
+/// [`attention`] into given tensors: `out` (q's shape, dtype and layout) and `lse` (f32 `[B, Hq,
+/// Sq]`), whose memory must start on 16 bytes like the inputs'. Errors: [`attention`]'s, and
+/// outputs of another device, dtype or shape.
+pub fn attention_out(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &AttentionOpts,
+    out: &mut Tensor,
+    lse: &mut Tensor,
+) -> Result<()> {
+    let op = "attention";
+    let (dims, scale) = check_inputs(op, q, k, v, opts)?;
     let dtype = q.dtype();
-    if dtype == DType::F32 {
-        return Err(Error::InvalidArgument {
-            op,
-            message: "attention takes bf16 or f16 tensors, got F32 (cast first)".into(),
-        });
-    }
-    for t in [k, v] {
-        if t.dtype() != dtype {
-            return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
-        }
-    }
-    let dims = dims(op, opts.layout, q.shape(), k.shape(), v.shape())?;
-    let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
-    if !scale.is_finite() {
-        return Err(Error::InvalidArgument { op, message: format!("the scale must be finite, got {scale}") });
-    }
-    for (what, t) in [("q", q), ("k", k), ("v", v)] {
-        if !t.dev_ptr_u64().is_multiple_of(16) {
-            return Err(Error::InvalidArgument {
-                op,
-                message: format!("{what}'s memory must start on 16 bytes, at {:#x}", t.dev_ptr_u64()),
-            });
-        }
-    }
+    check_output(op, q, out, dtype, q.shape(), "out must have q's shape")?;
+    check_output(
+        op,
+        q,
+        lse,
+        DType::F32,
+        &[dims.batch, dims.heads_q, dims.seq_q],
+        "lse must be [batch, heads_q, seq_q]",
+    )?;
     let dev = q.device().clone();
     let p = plan(op, &dims, dev.max_shared_bytes())?;
-    let mut out = Tensor::alloc(op, &dev, q.shape(), dtype)?;
-    let mut lse = Tensor::alloc(op, &dev, &[dims.batch, dims.heads_q, dims.seq_q], DType::F32)?;
     if dims.batch == 0 || dims.heads_q == 0 || dims.seq_q == 0 {
-        return Ok((out, lse));
+        return Ok(());
     }
     let (lo, hi) = band(opts.causal, opts.window, dims.seq_q, dims.seq_k);
     let kernel = fwd_kernel(dtype, p.dp).ok_or_else(|| Error::InvalidArgument {
@@ -292,7 +293,67 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad: 0,
     };
-    launch(&dev, kernel, &params, &dims, &p).map(|()| (out, lse))
+    launch(&dev, kernel, &params, &dims, &p)
+}
+
+/// The checks of Q, K, V and the options shared by every entry point: one device, bf16 or f16
+/// alike, shapes that fit ([`dims`]), a finite scale, memory that starts on 16 bytes. Returns
+/// the shapes and the scale.
+fn check_inputs(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<(Dims, f32)> {
+    check_same_device(op, q, k)?;
+    check_same_device(op, q, v)?;
+    let dtype = q.dtype();
+    if dtype == DType::F32 {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("{op} takes bf16 or f16 tensors, got F32 (cast first)"),
+        });
+    }
+    for t in [k, v] {
+        if t.dtype() != dtype {
+            return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
+        }
+    }
+    let dims = dims(op, opts.layout, q.shape(), k.shape(), v.shape())?;
+    let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument { op, message: format!("the scale must be finite, got {scale}") });
+    }
+    for (what, t) in [("q", q), ("k", k), ("v", v)] {
+        check_aligned(op, what, t)?;
+    }
+    Ok((dims, scale))
+}
+
+/// An error unless `t`'s memory starts on 16 bytes (the kernels' copies move 16 bytes).
+fn check_aligned(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
+    if t.dev_ptr_u64().is_multiple_of(16) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        message: format!("{what}'s memory must start on 16 bytes, at {:#x}", t.dev_ptr_u64()),
+    })
+}
+
+/// An error unless the output `t` is on `like`'s device, of `dtype` and `shape`, and starts on
+/// 16 bytes.
+fn check_output(
+    op: &'static str,
+    like: &Tensor,
+    t: &Tensor,
+    dtype: DType,
+    shape: &[usize],
+    detail: &'static str,
+) -> Result<()> {
+    check_same_device(op, like, t)?;
+    if t.dtype() != dtype {
+        return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
+    }
+    if t.shape() != shape {
+        return Err(Error::ShapeMismatch { op, expected: shape.to_vec(), got: t.shape().to_vec(), detail });
+    }
+    check_aligned(op, "the output", t)
 }
 
 /// Scaled dot-product attention, backward: the gradients `(dq, dk, dv)` of a loss whose
@@ -325,17 +386,36 @@ pub fn attention_backward(
     opts: &AttentionOpts,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "attention_backward";
-    for t in [k, v, out, lse, dout] {
+    check_inputs(op, q, k, v, opts)?;
+    let dev = q.device();
+    let mut dq = Tensor::alloc(op, dev, q.shape(), q.dtype())?;
+    let mut dk = Tensor::alloc(op, dev, k.shape(), q.dtype())?;
+    let mut dv = Tensor::alloc(op, dev, v.shape(), q.dtype())?;
+    attention_backward_out(q, k, v, out, lse, dout, opts, (&mut dq, &mut dk, &mut dv))?;
+    Ok((dq, dk, dv))
+}
+
+/// [`attention_backward`] into given tensors `(dq, dk, dv)` (the shapes and dtype of q, k and v;
+/// memory that starts on 16 bytes). Errors: [`attention_backward`]'s, and gradients of another
+/// device, dtype or shape.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_out(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    opts: &AttentionOpts,
+    (dq, dk, dv): (&mut Tensor, &mut Tensor, &mut Tensor),
+) -> Result<()> {
+    let op = "attention_backward";
+    let (dims, scale) = check_inputs(op, q, k, v, opts)?;
+    let dtype = q.dtype();
+    for t in [out, lse, dout] {
         check_same_device(op, q, t)?;
     }
-    let dtype = q.dtype();
-    if dtype == DType::F32 {
-        return Err(Error::InvalidArgument {
-            op,
-            message: "attention_backward takes bf16 or f16 tensors, got F32 (cast first)".into(),
-        });
-    }
-    for t in [k, v, out, dout] {
+    for t in [out, dout] {
         if t.dtype() != dtype {
             return Err(Error::DTypeMismatch { op, expected: dtype, got: t.dtype() });
         }
@@ -343,7 +423,6 @@ pub fn attention_backward(
     if lse.dtype() != DType::F32 {
         return Err(Error::DTypeMismatch { op, expected: DType::F32, got: lse.dtype() });
     }
-    let dims = dims(op, opts.layout, q.shape(), k.shape(), v.shape())?;
     for (t, detail) in [(out, "out must have q's shape"), (dout, "dout must have q's shape")] {
         if t.shape() != q.shape() {
             return Err(Error::ShapeMismatch { op, expected: q.shape().to_vec(), got: t.shape().to_vec(), detail });
@@ -358,35 +437,26 @@ pub fn attention_backward(
             detail: "lse must be [batch, heads_q, seq_q]",
         });
     }
-    let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
-    if !scale.is_finite() {
-        return Err(Error::InvalidArgument { op, message: format!("the scale must be finite, got {scale}") });
+    for (what, t) in [("out", out), ("dout", dout)] {
+        check_aligned(op, what, t)?;
     }
-    for (what, t) in [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)] {
-        if !t.dev_ptr_u64().is_multiple_of(16) {
-            return Err(Error::InvalidArgument {
-                op,
-                message: format!("{what}'s memory must start on 16 bytes, at {:#x}", t.dev_ptr_u64()),
-            });
-        }
-    }
+    check_output(op, q, dq, dtype, q.shape(), "dq must have q's shape")?;
+    check_output(op, q, dk, dtype, k.shape(), "dk must have k's shape")?;
+    check_output(op, q, dv, dtype, v.shape(), "dv must have v's shape")?;
     let dev = q.device().clone();
     let p = plan_backward(op, &dims, dev.max_shared_bytes())?;
     // Without queries the key gradients are zeros; without keys the query gradients are.
-    if dims.batch == 0 || dims.heads_q == 0 || dims.seq_q == 0 || dims.seq_k == 0 {
-        let grad = |t: &Tensor, zero: bool| {
-            if zero { Tensor::zeros(&dev, t.shape(), dtype) } else { Tensor::alloc(op, &dev, t.shape(), dtype) }
-        };
-        let no_queries = dims.heads_q == 0 || dims.seq_q == 0;
-        return Ok((grad(q, !no_queries)?, grad(k, no_queries)?, grad(v, no_queries)?));
+    if dims.heads_q == 0 || dims.seq_q == 0 {
+        dk.fill_(0.0)?;
+        return dv.fill_(0.0);
+    }
+    if dims.batch == 0 || dims.seq_k == 0 {
+        return dq.fill_(0.0);
     }
     let kernels = bwd::bwd_kernels(dtype, p.fwd.dp).ok_or_else(|| Error::InvalidArgument {
         op,
         message: format!("internal: no attention backward kernels for {dtype:?} and head dim {}", p.fwd.dp),
     })?;
-    let mut dq = Tensor::alloc(op, &dev, q.shape(), dtype)?;
-    let mut dk = Tensor::alloc(op, &dev, k.shape(), dtype)?;
-    let mut dv = Tensor::alloc(op, &dev, v.shape(), dtype)?;
     let rows = dims.batch * dims.heads_q * p.fwd.q_blocks as usize * attn::BM as usize;
     let mut lse2 = Tensor::alloc(op, &dev, &[rows], DType::F32)?;
     let mut delta = Tensor::alloc(op, &dev, &[rows], DType::F32)?;
@@ -418,7 +488,7 @@ pub fn attention_backward(
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad: 0,
     };
-    launch_backward(&dev, &kernels, &params, &dims, &p).map(|()| (dq, dk, dv))
+    launch_backward(&dev, &kernels, &params, &dims, &p)
 }
 
 /// How a backward is launched.

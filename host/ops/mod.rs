@@ -18,7 +18,9 @@ pub mod reduce;
 pub mod softmax;
 pub mod transpose;
 
-pub use attention::{AttentionOpts, Causal, Layout, attention, attention_backward};
+pub use attention::{
+    AttentionOpts, Causal, Layout, attention, attention_backward, attention_backward_out, attention_out,
+};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use gemm::*;

@@ -810,14 +810,6 @@ fn shape4(what: &str, s: &[usize]) -> PyResult<[usize; 4]> {
         .map_err(|_| PyValueError::new_err(format!("attention: {what} must have rank 4, got {s:?}")))
 }
 
-/// `out` and `lse` of `ops::attention` into `out`, `lse`, tensors the caller allocated. The op
-/// returns tensors it allocated itself (stream-ordered on PyTorch's stream, inside `Call::run`),
-/// so each is copied once into PyTorch's (an identity pass; `ops::attention` has no `_out`
-/// variant yet).
-fn copy_into(from: &Tensor, to: &mut Tensor) -> kernels::Result<()> {
-    ops::unary_out(from, Activation::Identity, to)
-}
-
 /// Scaled dot-product attention, forward: q (`q_shape`, in `layout`'s order), k and v
 /// (`kv_shape`), all of the call's dtype (bf16 or f16), into `out` (q's shape) and the f32 `lse`
 /// (`[B, Hq, Sq]`). Options as [`attention_opts`].
@@ -851,11 +843,7 @@ fn attention_fwd(
     // SAFETY: see `unary_fwd_with`; lse holds `b * hq * sq` f32.
     let (q, k, v, mut out, mut lse) =
         unsafe { (c.t(q, &qs)?, c.t(k, &ks)?, c.t(v, &ks)?, c.t(out, &qs)?, c.f32(lse, &[b, hq, sq])?) };
-    c.run(py, || {
-        let (o, l) = ops::attention(&q, &k, &v, &opts)?;
-        copy_into(&o, &mut out)?;
-        copy_into(&l, &mut lse)
-    })
+    c.run(py, || ops::attention_out(&q, &k, &v, &opts, &mut out, &mut lse))
 }
 
 /// Scaled dot-product attention, backward: from the forward's inputs, its `out` and `lse`, and
@@ -906,12 +894,7 @@ fn attention_bwd(
             c.t(dv, &ks)?,
         )
     };
-    c.run(py, || {
-        let (gq, gk, gv) = ops::attention_backward(&q, &k, &v, &out, &lse, &dout, &opts)?;
-        copy_into(&gq, &mut dq)?;
-        copy_into(&gk, &mut dk)?;
-        copy_into(&gv, &mut dv)
-    })
+    c.run(py, || ops::attention_backward_out(&q, &k, &v, &out, &lse, &dout, &opts, (&mut dq, &mut dk, &mut dv)))
 }
 
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
