@@ -709,3 +709,98 @@ fn attention_backward_bound_admits_an_emulation_and_rejects_wrong_paths() {
         }
     }
 }
+
+#[allow(dead_code)]
+#[path = "common/rope_ref.rs"]
+mod rope_ref;
+
+/// Deterministic inputs in [-4, 4) for the RoPE tests (an LCG: no GPU harness here).
+fn rope_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+        })
+        .collect()
+}
+
+/// LLaMA's tables for `max_pos` positions and rotary dimension `rot`, as `ops::rope_tables`.
+fn rope_test_tables(max_pos: usize, rot: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut c = Vec::new();
+    let mut s = Vec::new();
+    for p in 0..max_pos {
+        for i in 0..rot / 2 {
+            let a = p as f64 * 10000f64.powf(-2.0 * i as f64 / rot as f64);
+            c.push(a.cos() as f32);
+            s.push(a.sin() as f32);
+        }
+    }
+    (c, s)
+}
+
+/// The backward reference (the rotation by the opposite angle) is the gradient of the forward:
+/// `d <g, rope(x)> / dx` by central differences of the f64 forward, every coordinate, both
+/// layouts and conventions, a partial rotary dimension and an offset.
+#[test]
+fn rope_backward_reference_matches_finite_differences() {
+    use kernels::ops::{Layout, RopeOpts, RopeStyle};
+    let shape = [2, 3, 2, 8];
+    let n: usize = shape.iter().product();
+    let (cos, sin) = rope_test_tables(9, 8);
+    let (c6, s6) = rope_test_tables(9, 6);
+    for layout in [Layout::Bhsd, Layout::Bshd] {
+        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+            for (rotary_dim, cos, sin) in [(None, &cos, &sin), (Some(6), &c6, &s6)] {
+                let opts = RopeOpts { layout, style, offset: 4, rotary_dim };
+                let x: Vec<f64> = rope_values(n, 1).into_iter().map(f64::from).collect();
+                let g = rope_values(n, 2);
+                let f = |x: &[f64]| -> f64 {
+                    let y = rope_ref::rope_f64(x, shape, &opts, cos, sin, 1.0);
+                    y.iter().zip(&g).map(|(&y, &g)| y * g as f64).sum()
+                };
+                let (grad, _) = rope_ref::rope_ref(&g, shape, &opts, cos, sin, -1.0);
+                for i in 0..n {
+                    let h = 1e-3;
+                    let (mut a, mut b) = (x.clone(), x.clone());
+                    a[i] += h;
+                    b[i] -= h;
+                    let numeric = (f(&a) - f(&b)) / (2.0 * h);
+                    assert!(
+                        (grad[i] - numeric).abs() <= 1e-9 * (1.0 + grad[i].abs()),
+                        "{opts:?}: d/dx[{i}] reference {} vs finite differences {numeric}",
+                        grad[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The bound of `rope_ref::tol` admits the kernel's f32 formula (`kernels_gpu::rope::rotate`) at
+/// every element, and rejects the rotation by a neighbouring position's angle (an offset off by
+/// one) and the opposite angle (forward for backward).
+#[test]
+fn rope_bound_admits_the_kernel_formula_and_rejects_wrong_angles() {
+    use kernels::ops::{Layout, RopeOpts, RopeStyle};
+    let shape = [1, 64, 4, 128];
+    let n: usize = shape.iter().product();
+    let (cos, sin) = rope_test_tables(80, 128);
+    let x = rope_values(n, 3);
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        let opts = RopeOpts { layout: Layout::Bshd, style, offset: 10, rotary_dim: None };
+        let (want, inputs) = rope_ref::rope_ref(&x, shape, &opts, &cos, &sin, 1.0);
+        let err = |got: &[f64]| -> usize {
+            (0..n).filter(|&i| (got[i] - want[i]).abs() > rope_ref::tol(inputs[i]).atol).count()
+        };
+        let kernel: Vec<f64> = inputs.iter().map(|p| p.expect("all rotated").f32() as f64).collect();
+        assert_eq!(err(&kernel), 0, "{style:?}: the kernel's formula exceeds the bound");
+        let shifted = RopeOpts { offset: 11, ..opts };
+        let (wrong, _) = rope_ref::rope_ref(&x, shape, &shifted, &cos, &sin, 1.0);
+        // Pair 0's angle at position p is p radians: one position more is a different rotation
+        // for every element but the slowest pairs' (angles below an f32 ulp's effect).
+        assert!(err(&wrong) > n / 2, "{style:?}: an offset off by one passes the bound");
+        let (back, _) = rope_ref::rope_ref(&x, shape, &opts, &cos, &sin, -1.0);
+        assert!(err(&back) > n / 2, "{style:?}: the opposite angle passes the bound");
+    }
+}

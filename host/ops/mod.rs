@@ -15,6 +15,7 @@ pub mod mathprobe;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
+pub mod rope;
 pub mod softmax;
 pub mod transpose;
 
@@ -29,11 +30,12 @@ pub use linear::*;
 pub use norm::*;
 pub use optim::*;
 pub use reduce::*;
+pub use rope::*;
 pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, softmax, norms, cross-entropy,
-/// reductions, transpose, the GEMM, attention, init, the optimizer, the casts and the math
+/// reductions, transpose, the GEMM, attention, RoPE, init, the optimizer, the casts and the math
 /// probe), with the parameter count of the signature the host launches it with; checked against
 /// the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family derives its list from its
 /// declaration's typed handles.
@@ -52,6 +54,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::attention::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v

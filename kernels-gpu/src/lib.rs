@@ -61,6 +61,7 @@ pub mod prim;
 #[cfg(not(target_arch = "nvptx64"))]
 pub mod ptx_modules;
 pub mod reduce;
+pub mod rope;
 pub mod rows;
 pub mod softmax;
 pub mod transpose;

@@ -1230,3 +1230,102 @@ def scaled_dot_product_attention(
     if query.dim() > 4:
         return out.unflatten(0, lead)
     return out
+
+
+# --- rotary position embedding ------------------------------------------------------------------
+#
+# rope: (x, cos, sin) -> x rotated, x contiguous rank 4 in ``layout`` 0 (``[B, H, S, D]``) or 1
+# (``[B, S, H, D]``), cos and sin float32 ``[max_pos, R / 2]`` (R, the rotary dimension, is twice
+# their width: the first R of D elements rotate, the rest pass through). rope_backward: the same
+# with the output's gradient, rotated by the opposite angle.
+
+_ROPE_LAYOUTS = {"bhsd": 0, "bshd": 1}
+_ROPE_SCHEMA = "(Tensor x, Tensor cos, Tensor sin, int layout, bool interleaved, int offset) -> Tensor"
+
+
+def _rope_impl(op: str, backward: bool, x: Tensor, cos: Tensor, sin: Tensor, layout, interleaved, offset) -> Tensor:
+    x = _check(op, "x", x)
+    cos = _check(op, "cos", cos, like=x, dtype=torch.float32)
+    sin = _check(op, "sin", sin, like=x, dtype=torch.float32)
+    if x.dim() != 4 or cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(
+            f"{NS}::{op}: x must have rank 4 and cos and sin one shape [max_pos, rotary_dim / 2], got "
+            f"{list(x.shape)}, {list(cos.shape)}, {list(sin.shape)}"
+        )
+    if offset < 0:
+        raise ValueError(f"{NS}::{op}: offset must be non-negative, got {offset}")
+    y = torch.empty_like(x)
+    dev, stream, dt = _where(x)
+    _native.rope(
+        dev, stream, dt, layout, interleaved, offset, backward, x.data_ptr(), y.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), list(x.shape), cos.shape[0], cos.shape[1],
+    )  # fmt: skip
+    return y
+
+
+@_custom_op("rope", _ROPE_SCHEMA)
+def rope_op(x: Tensor, cos: Tensor, sin: Tensor, layout: int, interleaved: bool, offset: int) -> Tensor:
+    return _rope_impl("rope", False, x, cos, sin, layout, interleaved, offset)
+
+
+@_custom_op("rope_backward", _ROPE_SCHEMA.replace("Tensor x", "Tensor grad"))
+def rope_backward_op(grad: Tensor, cos: Tensor, sin: Tensor, layout: int, interleaved: bool, offset: int) -> Tensor:
+    return _rope_impl("rope_backward", True, grad, cos, sin, layout, interleaved, offset)
+
+
+@rope_op.register_fake
+def _(x, cos, sin, layout, interleaved, offset):
+    return x.new_empty(x.shape)
+
+
+@rope_backward_op.register_fake
+def _(grad, cos, sin, layout, interleaved, offset):
+    return grad.new_empty(grad.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, layout, interleaved, offset = inputs
+    if getattr(cos, "requires_grad", False) or getattr(sin, "requires_grad", False):
+        # Learned tables would need their own gradient, which this op does not compute.
+        ctx.table_grad = True
+    ctx.save_for_backward(cos, sin)
+    ctx.opts = (layout, interleaved, offset)
+
+
+def _rope_backward(ctx, grad):
+    if getattr(ctx, "table_grad", False):
+        raise NotImplementedError(f"{NS}::rope: no gradient for cos and sin (they must not require grad)")
+    cos, sin = ctx.saved_tensors
+    return _bwd(ctx, "rope_backward")(grad, cos, sin, *ctx.opts), None, None, None, None, None
+
+
+_autograd(rope_op, "rope", _rope_backward, _rope_setup)
+
+
+def rope(
+    x: Tensor, cos: Tensor, sin: Tensor, *, layout: str = "bhsd", interleaved: bool = False, offset: int = 0
+) -> Tensor:
+    """Rotary position embedding of ``x`` (``[B, H, S, D]`` for ``layout="bhsd"``, ``[B, S, H, D]``
+    for ``"bshd"``; float32, float16 or bfloat16) in one kernel, with autograd.
+
+    ``cos``, ``sin``: float32 ``[max_pos, R / 2]``, the cosine and sine of pair ``i``'s angle at
+    position ``p`` (``rope_tables``); the first ``R`` elements of each row rotate, the rest pass
+    through. Row ``s`` of the sequence is at position ``offset + s`` (a KV cache's length), which
+    must be below ``max_pos``. Pairs ``(i, i + R / 2)`` (GPT-NeoX, LLaMA, Hugging Face's
+    ``x * cos + rotate_half(x) * sin`` with the tables repeated twice), or ``(2 i, 2 i + 1)`` with
+    ``interleaved=True`` (GPT-J). Math in f32, the result rounded once to x's dtype."""
+    if layout not in _ROPE_LAYOUTS:
+        raise ValueError(f"{NS}::rope: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    return _call("rope", x, cos, sin, _ROPE_LAYOUTS[layout], bool(interleaved), int(offset))
+
+
+def rope_tables(max_pos: int, rotary_dim: int, base: float = 10000.0, device=None) -> tuple[Tensor, Tensor]:
+    """The tables of ``rope``: ``cos`` and ``sin`` float32 ``[max_pos, rotary_dim / 2]``, pair ``i``
+    turning by ``p * base ** (-2 i / rotary_dim)`` at position ``p`` (LLaMA's), computed in float64
+    and rounded once."""
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"{NS}::rope_tables: rotary_dim must be even and at least 2, got {rotary_dim}")
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angle = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    cos, sin = angle.cos().float(), angle.sin().float()
+    return (cos, sin) if device is None else (cos.to(device), sin.to(device))

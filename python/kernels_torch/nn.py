@@ -3,7 +3,7 @@ implementation otherwise (CPU tensors, float64, and the cases listed per module)
 
 Most are subclasses of the PyTorch module they replace (same constructor, parameters and
 ``state_dict``), so a model switches with a changed import. ``FusedBiasAct`` is new:
-``act(x * scale + bias)`` in one kernel.
+``act(x * scale + bias)`` in one kernel; so is ``RotaryEmbedding`` (PyTorch has no such module).
 """
 
 from typing import Optional
@@ -23,6 +23,7 @@ __all__ = [
     "Linear",
     "LogSoftmax",
     "RMSNorm",
+    "RotaryEmbedding",
     "Softmax",
     "Swish",
 ]
@@ -220,3 +221,74 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         ):
             return _ops.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
         return super().forward(input, target)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rope_reference(
+    x: Tensor, cos: Tensor, sin: Tensor, layout: str = "bhsd", interleaved: bool = False, offset: int = 0
+) -> Tensor:
+    """``kernels_torch.rope`` composed of PyTorch ops (the fallback of ``RotaryEmbedding``, and
+    the eager baseline): Hugging Face's ``x * cos + rotate_half(x) * sin``, or its interleaved form,
+    computed in float32 (float64 for float64 x) and rounded to x's dtype."""
+    s = x.shape[2] if layout == "bhsd" else x.shape[1]
+    r = 2 * cos.shape[-1]
+    ct = torch.promote_types(x.dtype, torch.float32)
+    c, si = cos[offset : offset + s].to(x.device, ct), sin[offset : offset + s].to(x.device, ct)
+    if interleaved:
+        c, si = c.repeat_interleave(2, dim=-1), si.repeat_interleave(2, dim=-1)
+    else:
+        c, si = torch.cat((c, c), dim=-1), torch.cat((si, si), dim=-1)
+    if layout == "bshd":
+        c, si = c[:, None, :], si[:, None, :]  # [S, 1, R] against [B, S, H, R]
+    xr, rest = x[..., :r].to(ct), x[..., r:]
+    if interleaved:
+        pairs = xr.unflatten(-1, (-1, 2))
+        rot = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        rot = _rotate_half(xr)
+    y = (xr * c + rot * si).to(x.dtype)
+    return torch.cat((y, rest), dim=-1) if rest.shape[-1] else y
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Rotary position embedding of queries or keys: ``forward(x, offset=0)`` rotates ``x``
+    (``[B, H, S, D]``, or ``[B, S, H, D]`` with ``layout="bshd"``) at positions ``offset`` to
+    ``offset + S - 1``, by ``kernels_torch.rope`` on CUDA tensors of f32, f16 and bf16 and by the
+    same formula in PyTorch ops otherwise. ``dim`` is the rotary dimension (the first ``dim`` of
+    ``D`` rotate), ``max_pos`` the most positions, ``base`` LLaMA's (10000; 500000 for LLaMA 3).
+    The tables are float32 buffers (``cos``, ``sin``, ``[max_pos, dim / 2]``), not saved in the
+    ``state_dict``."""
+
+    def __init__(
+        self,
+        dim: int,
+        max_pos: int,
+        base: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        layout: str = "bhsd",
+        device=None,
+    ) -> None:
+        super().__init__()
+        if layout not in ("bhsd", "bshd"):
+            raise ValueError(f"RotaryEmbedding: layout must be 'bhsd' or 'bshd', got {layout!r}")
+        cos, sin = _ops.rope_tables(max_pos, dim, base, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.dim, self.max_pos, self.base = dim, max_pos, base
+        self.interleaved, self.layout = interleaved, layout
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, max_pos={self.max_pos}, base={self.base}, interleaved={self.interleaved}, "
+            f"layout={self.layout!r}"
+        )
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        if _ours(x) and self.cos.device == x.device:
+            return _ops.rope(x, self.cos, self.sin, layout=self.layout, interleaved=self.interleaved, offset=offset)
+        return rope_reference(x, self.cos, self.sin, self.layout, self.interleaved, offset)

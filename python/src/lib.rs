@@ -15,7 +15,7 @@
 
 use kernels::ops::{
     self, Activation, AttentionOpts, BinaryOp, Causal, CrossEntropyOpts, Gemm, Layout, NormGrads, NormStats, Precision,
-    ReduceOp, Reduction, ScaleBiasActGrads, UnaryOp,
+    ReduceOp, Reduction, RopeOpts, RopeStyle, ScaleBiasActGrads, UnaryOp,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -897,6 +897,52 @@ fn attention_bwd(
     c.run(py, || ops::attention_backward_out(&q, &k, &v, &out, &lse, &dout, &opts, (&mut dq, &mut dk, &mut dv)))
 }
 
+/// Rotary position embedding of `x` (`shape`, rank 4 in `layout`: 0 `[B, H, S, D]`, 1 `[B, S, H,
+/// D]`) into `y`, by the f32 tables `cos`, `sin` (`[max_pos, half]`, rotating the first `2 half`
+/// elements of each row); pairs `(2 i, 2 i + 1)` if `interleaved`, else `(i, i + half)`; row `s` at
+/// position `offset + s`. `backward`: the rotation by the opposite angle (`x` is the output's
+/// gradient, `y` the input's).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rope(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    interleaved: bool,
+    offset: usize,
+    backward: bool,
+    x: u64,
+    y: u64,
+    cos: u64,
+    sin: u64,
+    shape: Vec<usize>,
+    max_pos: usize,
+    half: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let layout = match layout {
+        0 => Layout::Bhsd,
+        1 => Layout::Bshd,
+        _ => return Err(PyValueError::new_err(format!("rope: layout code {layout}: expected 0 (Bhsd) or 1 (Bshd)"))),
+    };
+    let shape = <[usize; 4]>::try_from(shape.as_slice())
+        .map_err(|_| PyValueError::new_err(format!("rope: x must have rank 4, got {shape:?}")))?;
+    let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Half };
+    let opts = RopeOpts { layout, style, offset, rotary_dim: Some(2 * half) };
+    let table = [max_pos, half];
+    // SAFETY: see `unary_fwd_with`; the tables are f32 `[max_pos, half]`.
+    let (x, mut y, cos, sin) = unsafe { (c.t(x, &shape)?, c.t(y, &shape)?, c.f32(cos, &table)?, c.f32(sin, &table)?) };
+    c.run(py, || {
+        if backward {
+            ops::rope_backward_out(&x, &cos, &sin, &opts, &mut y)
+        } else {
+            ops::rope_out(&x, &cos, &sin, &opts, &mut y)
+        }
+    })
+}
+
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
 /// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
 #[pyfunction]
@@ -970,5 +1016,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(attention_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(attention_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(rope, m)?)?;
     Ok(())
 }

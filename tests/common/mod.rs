@@ -12,6 +12,7 @@ pub mod attention_bwd_ref;
 pub mod attention_ref;
 pub mod linear_ref;
 pub mod reference;
+pub mod rope_ref;
 pub mod rows;
 
 pub use reference::Tol;
