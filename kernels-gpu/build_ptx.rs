@@ -312,6 +312,14 @@ pub fn add_launch_bounds(ptx: &str) -> String {
                 out.push('\n');
                 continue;
             }
+            // The Hopper attention forward (kernels-gpu/src/attention/hopper.rs): `setmaxnreg`
+            // needs the register cap at entry.
+            if name.starts_with("attention_fwd_wgmma") {
+                pending = Some(".maxntid 384, 1, 1\n.minnctapersm 1\n".to_string());
+                out.push_str(line);
+                out.push('\n');
+                continue;
+            }
             pending = cluster_size(name)
                 .map(|c| format!(".maxntid 1024, 1, 1\n.reqnctapercluster {c}, 1, 1\n"))
                 .or_else(|| {

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::attention::backward::{self as bwd, AttnBwdParams};
+use kernels_gpu::attention::hopper::{self, HopperParams, hopper_kernel};
 use kernels_gpu::attention::{self as attn, AttentionArgs, AttnParams, fwd_kernel, padded_dim, smem_bytes};
 
 /// Which keys a query sees beyond the window ([`AttentionOpts::causal`]).
@@ -212,8 +213,9 @@ pub(crate) fn plan(op: &'static str, dims: &Dims, max_smem: u32) -> Result<Plan>
 ///   FlashAttention (where the naive formula gives NaN).
 /// - NaN and infinities propagate as in the naive formula: a NaN score, or a `+inf` one, makes
 ///   its row NaN; a `-inf` score is a weight of 0. A non-finite value of V at a key a row sees
-///   reaches that row; at a key it does not see, it may (when the key shares a tile of 64 keys
-///   with one it sees, as `0 * inf` is NaN), or may not.
+///   reaches that row; at a key it does not see, it may (when the key shares a tile of keys
+///   with one it sees, as `0 * inf` is NaN: 64 keys, or 128 on Hopper for head dims up to 128),
+///   or may not.
 /// - Accuracy: scores and products are accumulated in f32; the softmax weights are rounded to
 ///   the input dtype before they multiply V (as FlashAttention), which dominates the error:
 ///   about `2^-8` (bf16) or `2^-11` (f16) of `sum_j p_j |v_j|` (tests/attention.rs derives the
@@ -227,6 +229,8 @@ pub(crate) fn plan(op: &'static str, dims: &Dims, max_smem: u32) -> Result<Plan>
 /// heads); a scale that is not finite; a tensor whose memory does not start on 16 bytes (the
 /// copies move 16 bytes; tensors the library allocates always do); a GPU with less shared memory
 /// a block than the head dim's kernel needs (46 KB up to D = 64, 87 KB to 128, 101 KB to 256).
+/// On an H100 or H200 (sm_90a) head dims up to 128 run on the Hopper kernels (`wgmma` and the
+/// copy engine, FlashAttention-3 style), the others on the general `mma.sync` ones.
 /// Empty batches or queries (`B = 0`, `Hq = 0`, `Sq = 0`) give empty outputs.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<(Tensor, Tensor)> {
     let op = "attention";
@@ -293,7 +297,71 @@ pub fn attention_out(
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad: 0,
     };
+    if uses_hopper(&dev, dtype, &dims, p.dp) {
+        return launch_hopper(op, &dev, dtype, &params, &dims, p.dp);
+    }
     launch(&dev, kernel, &params, &dims, &p)
+}
+
+/// Whether the forward of `dims` runs on the Hopper kernels (`kernels-gpu/src/attention/
+/// hopper.rs`): an sm_90a GPU (H100, H200) with their shared memory, a padded head dim of 64 or
+/// 128, and at least one key (the copy engine's tensor maps have no empty dimension).
+fn uses_hopper(dev: &Device, dtype: DType, dims: &Dims, dp: u32) -> bool {
+    dev.ptx_arch() == "sm_90a"
+        && hopper_kernel(dtype, dp).is_some()
+        && dims.seq_k > 0
+        && dev.max_shared_bytes() >= hopper::smem_bytes(dp)
+}
+
+/// Launches the Hopper forward: the tensor maps of Q, K and V (4-D, `(d, row, head, batch)`
+/// from `params`' strides) in a small buffer written just before the launch, stream-ordered,
+/// then [`Plan::batches`]-like pieces of the batch so that the grid stays below 2^31.
+fn launch_hopper(op: &'static str, dev: &Device, dtype: DType, params: &AttnParams, dims: &Dims, dp: u32) -> Result<()> {
+    let kernel = hopper_kernel(dtype, dp)
+        .ok_or_else(|| Error::InvalidArgument { op, message: format!("internal: no Hopper kernel for {dp}") })?;
+    let map = |ptr: *const u16, (rows, heads): (usize, usize), st: [u64; 3], box_rows: u32| {
+        let dims = [dims.d as u64, rows as u64, heads as u64, dims.batch as u64];
+        super::gemm_wgmma::tiled_map(op, dtype, ptr as u64, &dims, &[st[2], st[1], st[0]], &[64, box_rows, 1, 1])
+    };
+    let mq = map(params.q, (dims.seq_q, dims.heads_q), params.q_stride, hopper::BM)?;
+    let mk = map(params.k, (dims.seq_k, dims.heads_kv), params.k_stride, hopper::BN)?;
+    let mv = map(params.v, (dims.seq_k, dims.heads_kv), params.v_stride, hopper::BN)?;
+    let words: Vec<u64> = mq.iter().chain(&mk).chain(&mv).copied().collect();
+    let mut maps = dev.alloc(op, 8 * words.len())?;
+    maps.copy_from_host_async(&words)?;
+    let q_blocks = dims.seq_q.div_ceil(hopper::BM as usize);
+    let per_batch = q_blocks * dims.heads_q;
+    let batches = (i32::MAX as usize / per_batch.max(1)).clamp(1, dims.batch.max(1));
+    let smem = hopper::smem_bytes(dp);
+    let mut z0 = 0;
+    while z0 < dims.batch {
+        let nz = (dims.batch - z0).min(batches);
+        let piece = HopperParams {
+            maps: maps.ptr() as *const u64,
+            o: params.o,
+            lse: params.lse,
+            o_stride: params.o_stride,
+            lo: params.lo,
+            hi: params.hi,
+            seq_q: params.seq_q,
+            seq_k: params.seq_k,
+            d: params.d,
+            heads_q: params.heads_q,
+            group: params.group,
+            q_blocks: q_blocks as u32,
+            scale_log2: params.scale_log2,
+            z0: z0 as u32,
+        };
+        let cfg =
+            LaunchConfig { grid: ((per_batch * nz) as u32, 1, 1), block: (hopper::THREADS, 1, 1), shared_bytes: smem };
+        // SAFETY: the maps describe Q, K and V as `dims` checked them (the copy engine reads
+        // nothing outside them); O and lse are as for `launch`; the grid covers batches
+        // `z0..z0 + nz`; `smem` is within the device's limit (`uses_hopper`); the buffer of maps
+        // lives until the kernel has read it (freed stream-ordered after it).
+        unsafe { dev.launch(kernel, cfg, (piece,))? };
+        z0 += nz;
+    }
+    Ok(())
 }
 
 /// The checks of Q, K, V and the options shared by every entry point: one device, bf16 or f16

@@ -49,26 +49,44 @@ fn tensor_map(
     (ld, stride): (u64, u64),
     (bx, by): (u32, u32),
 ) -> Result<[u64; 16]> {
+    // A shared operand is a batch of one; its (unused) batch stride still has to be valid.
+    let stride = if stride == 0 { (ld * outer).max(8) } else { stride };
+    tiled_map(op, input, ptr, &[inner, outer, batch], &[ld, stride], &[bx, by, 1])
+}
+
+/// A tensor map (`cuTensorMapEncodeTiled`) of 16-bit `input` values at `ptr`: `dims` innermost
+/// first, the first contiguous, `strides` (in elements) between consecutive indices of the
+/// others, read in boxes of `boxes` elements, 128-byte swizzled; out-of-range elements read as
+/// zeros. The driver's errors (a stride not a multiple of 16 bytes, a box too large) come back
+/// as [`Error`]s.
+pub(crate) fn tiled_map(
+    op: &'static str,
+    input: DType,
+    ptr: u64,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+) -> Result<[u64; 16]> {
+    if dims.len() != boxes.len() || strides.len() + 1 != dims.len() || dims.len() > 5 {
+        return Err(Error::InvalidArgument { op, message: format!("internal: a tensor map of rank {}", dims.len()) });
+    }
     let dtype = match input {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     };
-    // A shared operand is a batch of one; its (unused) batch stride still has to be valid.
-    let stride = if stride == 0 { (ld * outer).max(8) } else { stride };
-    let dims = [inner, outer, batch];
-    let strides = [ld * 2, stride * 2];
-    let boxes = [bx, by, 1];
-    let ones = [1u32; 3];
+    let bytes: Vec<u64> = strides.iter().map(|s| s * 2).collect();
+    let ones = [1u32; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every array has the rank's (or rank - 1's) entries; the map is written, not read.
+    // SAFETY: `dims` and `boxes` have the rank's entries, `bytes` one fewer (checked); the map
+    // is written, not read.
     unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             dtype,
-            3,
+            dims.len() as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
-            strides.as_ptr(),
+            bytes.as_ptr(),
             boxes.as_ptr(),
             ones.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -99,16 +99,8 @@ mod device {
     /// Consumer warpgroups.
     const CONSUMERS: u32 = 2;
 
-    /// A shared-memory matrix descriptor for `wgmma` with 128-byte swizzling: start address,
-    /// leading and stride byte offsets (K-major: LBO unused, SBO between 8-row groups;
-    /// M/N-major: LBO between 64-element column blocks, SBO between 8-row K groups).
-    #[inline(always)]
-    fn desc(addr: u32, lbo: u32, sbo: u32) -> u64 {
-        ((addr & 0x3FFFF) >> 4) as u64 | ((lbo >> 4) as u64) << 16 | ((sbo >> 4) as u64) << 32 | 1 << 62
-    }
-
     /// The whole epilogue of a consumer thread's accumulators (laid out as
-    /// [`wgmma_m64n256k16`] says, from `(row, col)`). Not inlined, and a rolled loop: written
+    /// [`WgmmaAcc`] says, from `(row, col)`). Not inlined, and a rolled loop: written
     /// out 64 times, each activation's code made a kernel of hundreds of kilobytes, and a call
     /// per pair made ptxas save the live accumulators around each call.
     #[inline(never)]
@@ -430,8 +422,8 @@ mod device {
                         unroll!(KK: u32; 0 1 2 3 => {
                             // K-major: the next 16 values of K are 32 bytes on in each swizzled
                             // row; M/N-major: two 8-row K groups (2048 bytes) on.
-                            let da = if A_MN == 1 { desc(a_st + KK * 2048, 8192, 1024) } else { desc(a_st + KK * 32, 16, 1024) };
-                            let db = if B_MN == 1 { desc(b_st + KK * 2048, 8192, 1024) } else { desc(b_st + KK * 32, 16, 1024) };
+                            let da = if A_MN == 1 { wgmma_desc(a_st + KK * 2048, 8192, 1024) } else { wgmma_desc(a_st + KK * 32, 16, 1024) };
+                            let db = if B_MN == 1 { wgmma_desc(b_st + KK * 2048, 8192, 1024) } else { wgmma_desc(b_st + KK * 32, 16, 1024) };
                             wgmma_m64n256k16::<BF16, A_MN, B_MN>(&mut acc, da, db);
                         });
                         wgmma_commit();

@@ -678,15 +678,19 @@ pub fn mma_tf32_16x8x8(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
 // TMA). A warpgroup is four consecutive warps starting at a warp index divisible by four; the
 // `wgmma` functions must be called by all its 128 threads together.
 
-/// Writes out an `asm!` whose operands are the 128 f32 accumulators of an `m64n256` `wgmma`
-/// (`$d`, a `&mut [f32; 128]`), each in and out, so that the compiler keeps them in registers and
-/// orders every use of them against the instruction: the template sees them as `{0}`..`{127}`.
+/// Writes out an `asm!` whose operands are the `N` (32, 64 or 128) f32 accumulators of a `wgmma`
+/// (`$d`, a `&mut [f32; N]`), each in and out, so that the compiler keeps them in registers and
+/// orders every use of them against the instruction: the template sees them as `{0}`..`{N-1}`,
+/// written out as the braced list between the `$pre` and `$post` template pieces.
 #[cfg(target_feature = "sm_90a")]
-macro_rules! asm_acc128 {
-    ($d:ident; $($pre:literal),*; $($post:literal),*; $($rest:tt)*) => {
-        asm_acc128!(@ $d; [$($pre),*]; [$($post),*]; [$($rest)*]; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127)
+macro_rules! asm_acc {
+    ($n:tt, $d:ident; $($pre:literal),*; $($post:literal),*; $($rest:tt)*) => {
+        asm_acc!(@list $n; $d; [$($pre),*]; [$($post),*]; [$($rest)*])
     };
-    (@ $d:ident; [$($pre:literal),*]; [$($post:literal),*]; [$($rest:tt)*]; $first:literal $($i:literal)*) => {
+    (@list 32; $($x:tt)*) => { asm_acc!(@emit $($x)*; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31) };
+    (@list 64; $($x:tt)*) => { asm_acc!(@emit $($x)*; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63) };
+    (@list 128; $($x:tt)*) => { asm_acc!(@emit $($x)*; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94 95 96 97 98 99 100 101 102 103 104 105 106 107 108 109 110 111 112 113 114 115 116 117 118 119 120 121 122 123 124 125 126 127) };
+    (@emit $d:ident; [$($pre:literal),*]; [$($post:literal),*]; [$($rest:tt)*]; $first:literal $($i:literal)*) => {
         asm!(
             $($pre,)*
             concat!("{{{", $first, "}" $(, ", {", $i, "}")*, "}}"),
@@ -697,10 +701,50 @@ macro_rules! asm_acc128 {
     };
 }
 
-/// `d += A @ B` for one warpgroup: a 64 x 256 tile of f32 accumulators `d` (thread `t` of the
-/// warpgroup holds rows `16 (t / 32) + (t % 32) / 4 + 8 h` and columns `8 j + 2 (t % 4) + c` at
-/// `d[4 j + 2 h + c]`), A a 64 x 16 and B a 16 x 256 tile of bf16 (`BF16`) or f16 values in
-/// shared memory, each described by a matrix descriptor (`da`, `db`; see `gemm_wgmma`), K-major
+/// The accumulators of one warpgroup's `wgmma` tile of 64 rows by `N / 2` columns: `[f32; N]`
+/// for N = 32, 64, 128 (thread `t` of the warpgroup holds rows `16 (t / 32) + (t % 32) / 4 + 8 h`
+/// and columns `8 j + 2 (t % 4) + c` at `[4 j + 2 h + c]`), and the fences that order the
+/// registers against the asynchronous products.
+#[cfg(target_feature = "sm_90a")]
+pub trait WgmmaAcc {
+    /// See [`wgmma_fence`].
+    ///
+    /// # Safety
+    /// As [`wgmma_fence`].
+    unsafe fn fence(&mut self);
+    /// See [`wgmma_wait`].
+    ///
+    /// # Safety
+    /// As [`wgmma_wait`].
+    unsafe fn wait<const N: u32>(&mut self);
+}
+
+#[cfg(target_feature = "sm_90a")]
+macro_rules! wgmma_acc_impls {
+    ($($n:tt)*) => { $(
+        impl WgmmaAcc for [f32; $n] {
+            #[inline(always)]
+            unsafe fn fence(&mut self) {
+                let d = self;
+                // SAFETY: per the function contract.
+                unsafe { asm_acc!($n, d; "wgmma.fence.sync.aligned; /*"; "*/"; options(nostack)) };
+            }
+            #[inline(always)]
+            unsafe fn wait<const N: u32>(&mut self) {
+                let d = self;
+                // SAFETY: per the function contract.
+                unsafe { asm_acc!($n, d; "wgmma.wait_group.sync.aligned {n}; /*"; "*/"; n = const N, options(nostack)) };
+            }
+        }
+    )* };
+}
+
+#[cfg(target_feature = "sm_90a")]
+wgmma_acc_impls!(32 64 128);
+
+/// `d += A @ B` for one warpgroup: a 64 x 256 tile of f32 accumulators `d` (laid out as
+/// [`WgmmaAcc`] says), A a 64 x 16 and B a 16 x 256 tile of bf16 (`BF16`) or f16 values in
+/// shared memory, each described by a matrix descriptor (`da`, `db`; [`wgmma_desc`]), K-major
 /// (`TA`/`TB` = 0) or M/N-major (1) (`wgmma.mma_async.sync.aligned.m64n256k16.f32`). Issued
 /// asynchronously: the accumulators are not to be read or written before [`wgmma_wait`], and
 /// the operands must stay in place until then.
@@ -715,17 +759,92 @@ pub unsafe fn wgmma_m64n256k16<const BF16: bool, const TA: u32, const TB: u32>(d
     // SAFETY: per the function contract.
     unsafe {
         if BF16 {
-            asm_acc128!(d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+            asm_acc!(128, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16";
                 ", {da}, {db}, p, 1, 1, {ta}, {tb}; }}";
                 da = in(reg64) da, db = in(reg64) db, ta = const TA, tb = const TB, options(nostack));
         } else {
-            asm_acc128!(d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+            asm_acc!(128, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16";
                 ", {da}, {db}, p, 1, 1, {ta}, {tb}; }}";
                 da = in(reg64) da, db = in(reg64) db, ta = const TA, tb = const TB, options(nostack));
         }
     }
+}
+
+/// [`wgmma_m64n256k16`] for a 64 x 128 tile (`m64n128k16`), A and B both K-major: the scores
+/// `Q K^T` of attention, Q's rows and K's rows each holding their head dim contiguously.
+///
+/// # Safety
+/// As [`wgmma_m64n256k16`].
+#[cfg(target_feature = "sm_90a")]
+#[inline(always)]
+pub unsafe fn wgmma_m64n128k16_ss<const BF16: bool>(d: &mut [f32; 64], da: u64, db: u64) {
+    // SAFETY: per the function contract.
+    unsafe {
+        if BF16 {
+            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16";
+                ", {da}, {db}, p, 1, 1, 0, 0; }}";
+                da = in(reg64) da, db = in(reg64) db, options(nostack));
+        } else {
+            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16";
+                ", {da}, {db}, p, 1, 1, 0, 0; }}";
+                da = in(reg64) da, db = in(reg64) db, options(nostack));
+        }
+    }
+}
+
+/// Declares `d += A @ B` with A from registers (`wgmma` "RS"): A a 64 x 16 tile held as an
+/// `mma.m16n8k16` A fragment by each warp for its 16 rows (`a`, four words of two values: rows
+/// `g`, `g + 8` by columns `2 t`, `2 t + 1`, then the same at columns `8 + 2 t`), B a 16 x N tile
+/// in shared memory, N-major (the values of one K row contiguous: attention's V as stored).
+macro_rules! wgmma_rs {
+    ($($name:ident: $n:literal, $acc:tt, $bf16:literal, $f16:literal;)*) => { $(
+        /// `d += A @ B`, A a warpgroup's fragments in registers and B N-major in shared memory,
+        #[doc = concat!("for a 64 x ", $n, " tile (`m64n", $n, "k16`).")]
+        ///
+        /// # Safety
+        /// As [`wgmma_m64n256k16`]; the registers of `a` are not to be written before
+        /// [`wgmma_wait`].
+        #[cfg(target_feature = "sm_90a")]
+        #[inline(always)]
+        pub unsafe fn $name<const BF16: bool>(d: &mut [f32; $acc], a: [u32; 4], db: u64) {
+            // SAFETY: per the function contract.
+            unsafe {
+                if BF16 {
+                    asm_acc!($acc, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                        $bf16;
+                        ", {{{a0}, {a1}, {a2}, {a3}}}, {db}, p, 1, 1, 1; }}";
+                        a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                        db = in(reg64) db, options(nostack));
+                } else {
+                    asm_acc!($acc, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+                        $f16;
+                        ", {{{a0}, {a1}, {a2}, {a3}}}, {db}, p, 1, 1, 1; }}";
+                        a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                        db = in(reg64) db, options(nostack));
+                }
+            }
+        }
+    )* };
+}
+
+wgmma_rs! {
+    wgmma_m64n64k16_rs: 64, 32, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16";
+    wgmma_m64n128k16_rs: 128, 64, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16";
+}
+
+/// A shared-memory matrix descriptor for `wgmma` with 128-byte swizzling: start address,
+/// leading and stride byte offsets (K-major: LBO unused, SBO between 8-row groups; M/N-major:
+/// LBO between 64-element column blocks, SBO between 8-row K groups). The tile's rows are 128
+/// bytes, 8-row groups 1024-byte aligned as the copy engine's 128-byte swizzle writes them.
+#[inline(always)]
+pub fn wgmma_desc(addr: u32, lbo: u32, sbo: u32) -> u64 {
+    ((addr & 0x3FFFF) >> 4) as u64 | ((lbo >> 4) as u64) << 16 | ((sbo >> 4) as u64) << 32 | 1 << 62
 }
 
 /// Orders this warpgroup's earlier register and shared-memory accesses before its next
@@ -736,9 +855,9 @@ pub unsafe fn wgmma_m64n256k16<const BF16: bool, const TA: u32, const TB: u32>(d
 /// All 128 threads of a warpgroup must call it together.
 #[cfg(target_feature = "sm_90a")]
 #[inline(always)]
-pub unsafe fn wgmma_fence(d: &mut [f32; 128]) {
+pub unsafe fn wgmma_fence(d: &mut impl WgmmaAcc) {
     // SAFETY: per the function contract.
-    unsafe { asm_acc128!(d; "wgmma.fence.sync.aligned; /*"; "*/"; options(nostack)) };
+    unsafe { d.fence() };
 }
 
 /// Closes this warpgroup's issued `wgmma`s into a group (`wgmma.commit_group`).
@@ -760,9 +879,9 @@ pub unsafe fn wgmma_commit() {
 /// All 128 threads of a warpgroup must call it together.
 #[cfg(target_feature = "sm_90a")]
 #[inline(always)]
-pub unsafe fn wgmma_wait<const N: u32>(d: &mut [f32; 128]) {
+pub unsafe fn wgmma_wait<const N: u32>(d: &mut impl WgmmaAcc) {
     // SAFETY: per the function contract.
-    unsafe { asm_acc128!(d; "wgmma.wait_group.sync.aligned {n}; /*"; "*/"; n = const N, options(nostack)) };
+    unsafe { d.wait::<N>() };
 }
 
 /// Raises (`INC`) or lowers this warpgroup's register allocation to `R` registers a thread
@@ -817,6 +936,24 @@ pub unsafe fn tma_load_3d(dst: u32, map: *const u64, bar: u32, c0: i32, c1: i32,
             "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{m}, {{{c0}, {c1}, {c2}}}], [{b}];",
             d = in(reg32) dst, m = in(reg64) map, b = in(reg32) bar,
             c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// [`tma_load_3d`] for a 4-D tensor (`cp.async.bulk.tensor.4d`): attention's `[batch][head][row]
+/// [d]` in either layout, as the map's strides say.
+///
+/// # Safety
+/// As [`tma_load_3d`].
+#[inline(always)]
+pub unsafe fn tma_load_4d(dst: u32, map: *const u64, bar: u32, (c0, c1, c2, c3): (i32, i32, i32, i32)) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{m}, {{{c0}, {c1}, {c2}, {c3}}}], [{b}];",
+            d = in(reg32) dst, m = in(reg64) map, b = in(reg32) bar,
+            c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2, c3 = in(reg32) c3,
             options(nostack, preserves_flags)
         );
     }

@@ -27,6 +27,7 @@
 //! - Causal blocks are launched heaviest first (the last query block of a head first).
 
 pub mod backward;
+pub mod hopper;
 
 /// Query rows per block.
 pub const BM: u32 = 64;
@@ -162,6 +163,7 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
     .into_iter()
     .map(|k| k.entry())
     .chain(backward::all_kernels())
+    .chain(hopper::all_kernels())
 }
 
 /// An input type of the tensor cores: its `mma` and the rounding of P to it.

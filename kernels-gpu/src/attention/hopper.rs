@@ -1,0 +1,478 @@
+//! Attention forward on Hopper's warpgroup tensor cores (sm_90a), FlashAttention-3 style: the
+//! same function as the `mma.sync` kernels of [`super`] (masks, GQA, both layouts, `lse`, the
+//! rows that see no key), for padded head dims 64 and 128.
+//!
+//! # The design
+//! - A block of 384 threads takes [`BM`] = 128 query rows of one (batch, head). Warpgroup 0 is
+//!   the producer: one thread loads Q once and streams the key blocks ([`BN`] = 128 keys of K
+//!   and of V) into a ring of [`STAGES`] shared-memory stages with the copy engine (TMA, 4-D
+//!   tensor maps over `[batch][head][row][d]` in either layout, 128-byte swizzle, 64 columns of
+//!   the head dim a box), each stage guarded by a "full" and an "empty" mbarrier. It hands its
+//!   registers to the consumers (`setmaxnreg`).
+//! - Warpgroups 1 and 2 are the consumers, 64 query rows each. Per key block: `S = Q K^T` by
+//!   `wgmma.m64n128k16` with both operands in shared memory (K-major: Q's and K's rows hold
+//!   their head dim contiguously), the mask and the online softmax on the 64 f32 accumulators of
+//!   S as in [`super`], P rounded to the input dtype in registers (the accumulator layout of S is
+//!   the A-fragment layout `wgmma` takes from registers), then `O += P V` by
+//!   `wgmma.m64n{64,128}k16` with A from registers and V read N-major (transposed by the tensor
+//!   cores, as stored). The two consumers interleave on the SM: one's softmax runs while the
+//!   other's products do.
+//! - Out-of-range rows, keys and head-dim columns are zeros from the copy engine; keys beyond
+//!   `Sk` are masked like any other unseen key. A consumer skips the products of a key block
+//!   that none of its rows sees (but still waits for it and releases it).
+
+/// Query rows per block: two consumer warpgroups of 64.
+pub const BM: u32 = 128;
+/// Keys per stage.
+pub const BN: u32 = 128;
+/// Stages of the key/value ring.
+pub const STAGES: u32 = 2;
+/// Threads per block: a producer warpgroup and two consumers.
+pub const THREADS: u32 = 384;
+
+/// Bytes of a `rows x 64` box of 16-bit values: 128-byte rows.
+const fn panel(rows: u32) -> u32 {
+    rows * 128
+}
+
+/// Dynamic shared memory of a block for the padded head dim `dp` (64 or 128): up to 1 KiB to
+/// align to the 1024 bytes of the swizzle, Q, the ring of K and V, the mbarriers.
+pub const fn smem_bytes(dp: u32) -> u32 {
+    1024 + (dp / 64) * panel(BM) + STAGES * 2 * (dp / 64) * panel(BN) + 8 * (1 + 2 * STAGES)
+}
+
+/// Everything one launch needs (one kernel parameter, `#[repr(C)]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct HopperParams {
+    /// The tensor maps of Q, K and V (128 bytes each, in global memory, 64-byte aligned): 4-D,
+    /// `(d, row, head, batch)` innermost first, boxes of 64 columns by [`BM`] (Q) or [`BN`] rows.
+    pub maps: *const u64,
+    /// O, `[batch][head][row][d]` through `o_stride` (batch 0's address), written.
+    pub o: *mut u16,
+    /// `[batch][heads_q][seq_q]` f32, contiguous (batch 0's address), written.
+    pub lse: *mut f32,
+    /// Element strides of O between batches, heads and rows.
+    pub o_stride: [u64; 3],
+    /// Key `j` is seen by query row `i` iff `i + lo <= j <= i + hi` (and `j < seq_k`).
+    pub lo: i64,
+    /// See `lo`.
+    pub hi: i64,
+    /// Query rows.
+    pub seq_q: u32,
+    /// Keys (at least 1: the host sends `Sk = 0` to the general kernels).
+    pub seq_k: u32,
+    /// The head dim (a multiple of 8, at most the kernel's padded dim).
+    pub d: u32,
+    /// Query heads.
+    pub heads_q: u32,
+    /// Query heads per key/value head.
+    pub group: u32,
+    /// Query blocks per head: `ceil(seq_q / BM)`. The grid is `q_blocks * heads_q * batches`.
+    pub q_blocks: u32,
+    /// `scale * log2(e)`.
+    pub scale_log2: f32,
+    /// The first batch of this launch.
+    pub z0: u32,
+}
+
+/// A kernel parameter: a plain `#[repr(C)]` value of pointers and integers.
+impl crate::kernel::Param for HopperParams {}
+
+/// The Hopper forward kernels' parameters.
+pub type HopperArgs = (HopperParams,);
+
+/// The Hopper forward kernel for `dtype` (bf16 or f16) and padded head dim `dp` (64 or 128);
+/// `None` otherwise.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn hopper_kernel(dtype: crate::DType, dp: u32) -> Option<crate::kernel::Kernel<HopperArgs>> {
+    match (dtype, dp) {
+        (crate::DType::BF16, 64) => Some(attention_fwd_wgmma_d64_bf16),
+        (crate::DType::BF16, 128) => Some(attention_fwd_wgmma_d128_bf16),
+        (crate::DType::F16, 64) => Some(attention_fwd_wgmma_d64_f16),
+        (crate::DType::F16, 128) => Some(attention_fwd_wgmma_d128_f16),
+        _ => None,
+    }
+}
+
+/// Every kernel of this file (for the test against the PTX).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
+    [attention_fwd_wgmma_d64_bf16, attention_fwd_wgmma_d128_bf16, attention_fwd_wgmma_d64_f16, attention_fwd_wgmma_d128_f16]
+        .into_iter()
+        .map(|k| k.entry())
+}
+
+#[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
+mod device {
+    use super::super::{AttnType, block_range, key_range};
+    use super::*;
+    use crate::prim::*;
+
+    /// Consumer warpgroups.
+    const CONSUMERS: u32 = 2;
+
+    /// A padded head dim: O's accumulators and its `O += P V` product.
+    pub trait Dim {
+        const DP: u32;
+        type Acc: WgmmaAcc + AsMut<[f32]> + AsRef<[f32]>;
+        fn zero() -> Self::Acc;
+        /// # Safety
+        /// As [`wgmma_m64n64k16_rs`].
+        unsafe fn pv<const BF16: bool>(o: &mut Self::Acc, a: [u32; 4], db: u64);
+    }
+
+    pub struct D64;
+    pub struct D128;
+
+    impl Dim for D64 {
+        const DP: u32 = 64;
+        type Acc = [f32; 32];
+        #[inline(always)]
+        fn zero() -> [f32; 32] {
+            // SAFETY: all-zero bits are 0.0 (a repeat expression would be a loop).
+            unsafe { core::mem::zeroed() }
+        }
+        #[inline(always)]
+        unsafe fn pv<const BF16: bool>(o: &mut [f32; 32], a: [u32; 4], db: u64) {
+            // SAFETY: the caller's.
+            unsafe { wgmma_m64n64k16_rs::<BF16>(o, a, db) }
+        }
+    }
+
+    impl Dim for D128 {
+        const DP: u32 = 128;
+        type Acc = [f32; 64];
+        #[inline(always)]
+        fn zero() -> [f32; 64] {
+            // SAFETY: all-zero bits are 0.0.
+            unsafe { core::mem::zeroed() }
+        }
+        #[inline(always)]
+        unsafe fn pv<const BF16: bool>(o: &mut [f32; 64], a: [u32; 4], db: u64) {
+            // SAFETY: the caller's.
+            unsafe { wgmma_m64n128k16_rs::<BF16>(o, a, db) }
+        }
+    }
+
+    /// The shared-memory layout of a block: Q's panels, the ring, the barriers.
+    #[derive(Clone, Copy)]
+    struct Smem {
+        q: u32,
+        ring: u32,
+        bars: u32,
+    }
+
+    impl Smem {
+        fn new(dp: u32) -> Smem {
+            let q = (dyn_smem_addr() + 1023) & !1023;
+            let ring = q + (dp / 64) * panel(BM);
+            Smem { q, ring, bars: ring + STAGES * stage_bytes(dp) }
+        }
+        fn q_bar(self) -> u32 {
+            self.bars
+        }
+        fn full(self, s: u32) -> u32 {
+            self.bars + 8 * (1 + s)
+        }
+        fn empty(self, s: u32) -> u32 {
+            self.bars + 8 * (1 + STAGES + s)
+        }
+        /// K's panels of stage `s`; V's follow.
+        fn k(self, s: u32, dp: u32) -> u32 {
+            self.ring + s * stage_bytes(dp)
+        }
+    }
+
+    /// Bytes of one stage: K's and V's `BN x dp` tiles.
+    const fn stage_bytes(dp: u32) -> u32 {
+        2 * (dp / 64) * panel(BN)
+    }
+
+    /// The forward of one block: 128 query rows of one (batch, head).
+    ///
+    /// # Safety
+    /// Launched with [`THREADS`] threads, [`smem_bytes`]`(D::DP)` of dynamic shared memory, and
+    /// parameters whose maps and pointers describe the tensors as [`HopperParams`] says.
+    #[inline(always)]
+    pub unsafe fn fwd<I: AttnType, D: Dim>(p: HopperParams) {
+        let dp = D::DP;
+        let tid = thread_idx_x();
+        let sm = Smem::new(dp);
+        let bid = block_idx_x();
+        // At least 1, so that the divisions have no panic path (the host never launches less).
+        let (q_blocks, heads_q) = (p.q_blocks.max(1), p.heads_q.max(1));
+        let qb = q_blocks - 1 - bid % q_blocks;
+        let zh = bid / q_blocks;
+        let (h, b) = (zh % heads_q, zh / heads_q + p.z0);
+        let q0 = qb * BM;
+        let q_last = (q0 + BM - 1).min(p.seq_q.saturating_sub(1));
+        let (nb0, nb1) = block_range(q0, q_last, p.lo, p.hi, p.seq_k, BN);
+
+        // SAFETY: the barriers lie in the dynamic shared memory (smem_bytes covers them), are
+        // initialised once by one thread, and used only after the block barrier.
+        unsafe {
+            if tid == 0 {
+                mbarrier_init(sm.q_bar(), 1);
+                for s in 0..STAGES {
+                    mbarrier_init(sm.full(s), 1);
+                    mbarrier_init(sm.empty(s), CONSUMERS);
+                }
+                fence_mbarrier_init();
+            }
+        }
+        sync_threads();
+
+        if tid / 128 == 0 {
+            // SAFETY: the whole warpgroup; the kernel's `.maxntid`/`.minnctapersm` cap it.
+            unsafe { setmaxnreg::<false, 40>() };
+            if tid == 0 {
+                // SAFETY: the host wrote the maps before the launch; each copy lands in Q's panels
+                // or in a stage both consumers released (the empty barrier's phase), and is
+                // signalled to a barrier that expects exactly its bytes (the copy engine counts the
+                // zero-filled elements outside the tensor too).
+                unsafe { produce(&p, sm, dp, (h, b), q0, (nb0, nb1)) };
+            }
+        } else {
+            // SAFETY: the consumer warpgroups run this whole; the kernel's contract.
+            unsafe { consume::<I, D>(&p, sm, (h, b), q0, (nb0, nb1)) };
+        }
+    }
+
+    /// The producer thread: Q's panels, then key blocks `nb0..nb1` into the ring.
+    ///
+    /// # Safety
+    /// As [`fwd`]'s, for its one thread.
+    #[inline(always)]
+    unsafe fn produce(p: &HopperParams, sm: Smem, dp: u32, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
+        let hk = h / p.group.max(1);
+        // SAFETY: per the contract.
+        unsafe {
+            let (mq, mk, mv) = (p.maps, p.maps.add(16), p.maps.add(32));
+            fence_tensormap(mq);
+            fence_tensormap(mk);
+            fence_tensormap(mv);
+            mbarrier_arrive_expect_tx(sm.q_bar(), (dp / 64) * panel(BM));
+            for c in 0..dp / 64 {
+                tma_load_4d(sm.q + c * panel(BM), mq, sm.q_bar(), ((64 * c) as i32, q0 as i32, h as i32, b as i32));
+            }
+            let (mut s, mut ph) = (0u32, 0u32);
+            for nb in nb0..nb1 {
+                mbarrier_wait_parity(sm.empty(s), ph ^ 1);
+                mbarrier_arrive_expect_tx(sm.full(s), stage_bytes(dp));
+                let (kd, vd) = (sm.k(s, dp), sm.k(s, dp) + stage_bytes(dp) / 2);
+                let at = |c: u32| ((64 * c) as i32, (nb * BN) as i32, hk as i32, b as i32);
+                for c in 0..dp / 64 {
+                    tma_load_4d(kd + c * panel(BN), mk, sm.full(s), at(c));
+                    tma_load_4d(vd + c * panel(BN), mv, sm.full(s), at(c));
+                }
+                s += 1;
+                if s == STAGES {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+        }
+    }
+
+    /// A consumer warpgroup: its 64 query rows against key blocks `nb0..nb1`, then O and `lse`.
+    ///
+    /// # Safety
+    /// As [`fwd`]'s, for a whole consumer warpgroup.
+    #[inline(always)]
+    unsafe fn consume<I: AttnType, D: Dim>(p: &HopperParams, sm: Smem, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
+        // SAFETY: the whole warpgroup.
+        unsafe { setmaxnreg::<true, 232>() };
+        let dp = D::DP;
+        let bf16 = I::DTYPE == crate::DType::BF16;
+        let tid = thread_idx_x();
+        let cw = tid / 128 - 1;
+        let (warp, lane) = ((tid % 128) / 32, tid % 32);
+        let (g, t) = (lane / 4, lane % 4);
+        let (sq, sk) = (p.seq_q, p.seq_k);
+        let row0 = q0 + 64 * cw;
+        let rows = [row0 + 16 * warp + g, row0 + 16 * warp + g + 8];
+        let seen = [key_range(rows[0], p.lo, p.hi, sk), key_range(rows[1], p.lo, p.hi, sk)];
+        // This warpgroup's key blocks, and the keys all its rows see (blocks inside need no mask).
+        let wg_last = (row0 + 63).min(sq.saturating_sub(1));
+        let (wb0, wb1) = if row0 < sq { block_range(row0, wg_last, p.lo, p.hi, sk, BN) } else { (0, 0) };
+        let (all_from, _) = key_range(wg_last, p.lo, p.hi, sk);
+        let (_, all_to) = key_range(row0, p.lo, p.hi, sk);
+        let sl2 = p.scale_log2;
+
+        let mut o = D::zero();
+        let mut m = [f32::NEG_INFINITY; 2];
+        let mut l = [0.0f32; 2];
+        let (mut s, mut ph) = (0u32, 0u32);
+        // SAFETY: Q's panels and a stage are read only after their barrier's phase completed (the
+        // copies' bytes are visible to the tensor cores); a stage is released only after the
+        // products reading it completed.
+        unsafe {
+            mbarrier_wait_parity(sm.q_bar(), 0);
+            for nb in nb0..nb1 {
+                mbarrier_wait_parity(sm.full(s), ph);
+                if wb0 <= nb && nb < wb1 {
+                    let kb = sm.k(s, dp);
+                    let vb = kb + stage_bytes(dp) / 2;
+                    let k0 = nb * BN;
+                    // S = Q K^T: 16 columns of the head dim a step, 64 a panel (32 bytes a step
+                    // within a swizzled row); this warpgroup's rows start 64 rows into Q's panels.
+                    // SAFETY: all-zero bits are 0.0.
+                    let mut sc: [f32; 64] = core::mem::zeroed();
+                    wgmma_fence(&mut sc);
+                    unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
+                        if KK < dp / 16 {
+                            let da = wgmma_desc(sm.q + (KK / 4) * panel(BM) + cw * panel(64) + (KK % 4) * 32, 16, 1024);
+                            let db = wgmma_desc(kb + (KK / 4) * panel(BN) + (KK % 4) * 32, 16, 1024);
+                            if bf16 {
+                                wgmma_m64n128k16_ss::<true>(&mut sc, da, db);
+                            } else {
+                                wgmma_m64n128k16_ss::<false>(&mut sc, da, db);
+                            }
+                        }
+                    });
+                    wgmma_commit();
+                    wgmma_wait::<0>(&mut sc);
+
+                    // Scale to log2 units; mask where the block straddles an edge of some row's keys.
+                    let masked = k0 < all_from || k0 + BN > all_to;
+                    unroll!(J: u32; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                        unroll!(E: u32; 0 1 2 3 => {
+                            let i = (4 * J + E) as usize;
+                            let x = sc[i] * sl2;
+                            let key = k0 + 8 * J + 2 * t + E % 2;
+                            let (from, to) = seen[(E / 2) as usize];
+                            let hidden = masked && !(from <= key && key < to);
+                            sc[i] = select_f32(hidden, f32::NEG_INFINITY, x);
+                        });
+                    });
+
+                    // The online softmax, per row of this thread (R = 0: row g, 1: row g + 8).
+                    let mut alpha = [0.0f32; 2];
+                    unroll!(R: usize; 0 1 => {
+                        let mut mx = f32::NEG_INFINITY;
+                        unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                            mx = max_nan(mx, max_nan(sc[4 * J + 2 * R], sc[4 * J + 2 * R + 1]));
+                        });
+                        // The 4 lanes of a row (t = 0..3) are adjacent.
+                        mx = max_nan(mx, shfl_xor_f32(mx, 1));
+                        mx = max_nan(mx, shfl_xor_f32(mx, 2));
+                        let m_new = max_nan(m[R], mx);
+                        // A row with no finite score yet subtracts 0: exp2(-inf - 0) = 0, never NaN.
+                        let base = select_f32(m_new == f32::NEG_INFINITY, 0.0, m_new);
+                        alpha[R] = ex2_approx_ftz(m[R] - base);
+                        m[R] = m_new;
+                        let mut sum = 0.0f32;
+                        unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                            unroll!(E: usize; 0 1 => {
+                                let pv = ex2_approx_ftz(sc[4 * J + 2 * R + E] - base);
+                                sc[4 * J + 2 * R + E] = pv;
+                                sum += pv;
+                            });
+                        });
+                        l[R] = l[R] * alpha[R] + sum;
+                    });
+                    let oa = o.as_mut();
+                    unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                        if (J as u32) < dp / 8 {
+                            unroll!(E: usize; 0 1 2 3 => {
+                                oa[4 * J + E] *= alpha[E / 2];
+                            });
+                        }
+                    });
+
+                    // P in the dtype, as A fragments of 16 keys (columns 16 KK + 2t.. of rows g
+                    // and g + 8, then 16 KK + 8 + 2t..), made before the fence that orders them
+                    // against the products (`opaque`: their computation stays above it).
+                    let mut pa = [[0u32; 4]; 8];
+                    unroll!(KK: usize; 0 1 2 3 4 5 6 7 => {
+                        let f = |i: usize| I::pack2(sc[8 * KK + i], sc[8 * KK + i + 1]);
+                        pa[KK] = opaque([f(0), f(2), f(4), f(6)]);
+                    });
+                    // O += P V: V's 16-key steps are 16 rows (2048 bytes) on in its panels, which
+                    // lie `panel(BN)` apart along the head dim.
+                    wgmma_fence(&mut o);
+                    unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
+                        let db = wgmma_desc(vb + KK * 2048, panel(BN), 1024);
+                        if bf16 {
+                            D::pv::<true>(&mut o, pa[KK as usize], db);
+                        } else {
+                            D::pv::<false>(&mut o, pa[KK as usize], db);
+                        }
+                    });
+                    wgmma_commit();
+                    wgmma_wait::<0>(&mut o);
+                }
+                if tid % 128 == 0 {
+                    mbarrier_arrive(sm.empty(s));
+                }
+                s += 1;
+                if s == STAGES {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+        }
+
+        let (ob, lse_row) =
+            (b as u64 * p.o_stride[0] + h as u64 * p.o_stride[1], (b as u64 * p.heads_q as u64 + h as u64) * sq as u64);
+        let oa = o.as_ref();
+        unroll!(R: usize; 0 1 => {
+            let mut lt = l[R] + shfl_xor_f32(l[R], 1);
+            lt += shfl_xor_f32(lt, 2);
+            let row = rows[R];
+            let none = lt == 0.0;
+            let inv = if none { 0.0 } else { crate::math::recip(lt) };
+            let base = select_f32(m[R] == f32::NEG_INFINITY, 0.0, m[R]);
+            let lse = if none { f32::NEG_INFINITY } else { base * core::f32::consts::LN_2 + crate::math::log(lt) };
+            if row < sq {
+                if t == 0 {
+                    // SAFETY: `lse` holds every batch's heads_q * seq_q values; this row's is inside.
+                    unsafe { *p.lse.add((lse_row + row as u64) as usize) = lse };
+                }
+                let orow = ob + row as u64 * p.o_stride[2];
+                unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                    if (J as u32) < dp / 8 && (J as u32) * 8 < p.d {
+                        let (x0, x1) = (oa[4 * J + 2 * R] * inv, oa[4 * J + 2 * R + 1] * inv);
+                        // A row that sees no key is zeros even where 0 * inf made its sum NaN.
+                        let v = I::pack2(select_f32(none, 0.0, x0), select_f32(none, 0.0, x1));
+                        let col = J as u64 * 8 + 2 * t as u64;
+                        // SAFETY: row < seq_q and col + 1 < d: inside O; 4-byte aligned (even
+                        // column, strides multiples of 8, base 16-byte aligned).
+                        unsafe { *(p.o.add((orow + col) as usize) as *mut u32) = v };
+                    }
+                });
+            }
+        });
+    }
+}
+
+macro_rules! hopper_kernels {
+    ($($name:ident: $ty:ty, $dim:ident;)*) => {
+        $(
+            #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90a"))]
+            crate::kernel!($name: HopperArgs = |p| device::fwd::<$ty, device::$dim>(p));
+        )*
+    };
+}
+
+hopper_kernels! {
+    attention_fwd_wgmma_d64_bf16: crate::dtype::BF16, D64;
+    attention_fwd_wgmma_d128_bf16: crate::dtype::BF16, D128;
+    attention_fwd_wgmma_d64_f16: crate::dtype::F16, D64;
+    attention_fwd_wgmma_d128_f16: crate::dtype::F16, D128;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_and_params() {
+        // 1 KiB of alignment, Q, two stages of K and V, five barriers: within an H100's 227 KiB.
+        assert_eq!(smem_bytes(64), 1024 + 16384 + 2 * 32768 + 40);
+        assert_eq!(smem_bytes(128), 1024 + 32768 + 2 * 65536 + 40);
+        assert!(smem_bytes(128) <= 227 * 1024);
+        assert_eq!(core::mem::size_of::<HopperParams>(), 96);
+    }
+}
