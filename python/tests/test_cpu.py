@@ -47,6 +47,21 @@ def test_modules_fall_back_to_pytorch_on_cpu():
     assert m.bias.grad is not None and m.scale.grad is not None and x.grad is not None
 
 
+def test_gated_modules_fall_back_to_pytorch_on_cpu():
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    a, b = x.chunk(2, dim=-1)
+    for m, ref in [
+        (knn.SwiGLU(), F.silu(a) * b),
+        (knn.GeGLU(), F.gelu(a) * b),
+        (knn.GeGLU("tanh"), F.gelu(a, approximate="tanh") * b),
+        (knn.ReGLU(), F.relu(a) * b),
+    ]:
+        assert torch.equal(m(x), ref), type(m).__name__
+        assert torch.equal(m(x.float()), m._torch(a.float()) * b.float()), type(m).__name__
+    with pytest.raises(ValueError, match="approximate"):
+        knn.GeGLU("fast")
+
+
 def test_linear_module_falls_back_to_pytorch_on_cpu():
     """CPU tensors (float32 and float64): PyTorch's F.linear and activation, bit for bit, with
     gradients; the same parameters and state_dict keys as torch.nn.Linear."""
