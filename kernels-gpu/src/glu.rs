@@ -39,10 +39,18 @@ pub fn fwd_one<T: Elem, O: UnaryFn>(a: f32, b: f32, p0: f32, p1: f32) -> f32 {
 
 /// One element of the backward, `(da, db)`: `act'(a) * (g b)` and `g act(a)`, in the order of
 /// PyTorch's autograd of `act(a) * b` (the product's gradient `g b` first, then the activation's
-/// backward).
+/// backward). Where `g b` overflows but `g` and `b` are finite, `act'(a) g` is taken first and
+/// then times `b`: the activations' backward is linear in the gradient, and a derivative of 0
+/// (far in the tails) then gives the exact 0, not `inf * 0`.
 #[inline(always)]
 pub fn bwd_one<T: Elem, O: UnaryFn>(a: f32, b: f32, g: f32, p0: f32, p1: f32) -> (f32, f32) {
-    (bwd_for::<O, T>(a, g * b, p0, p1), g * fwd_for::<O, T>(a, p0, p1))
+    let gb = g * b;
+    let da = if gb.is_infinite() && g.is_finite() && b.is_finite() {
+        bwd_for::<O, T>(a, g, p0, p1) * b
+    } else {
+        bwd_for::<O, T>(a, gb, p0, p1)
+    };
+    (da, g * fwd_for::<O, T>(a, p0, p1))
 }
 
 #[cfg(target_arch = "nvptx64")]
