@@ -1,5 +1,6 @@
-//! Element-wise benchmarks: every unary op and activation, the binary ops, the row broadcast and
-//! the fused `act(x * scale + bias)`, forward and backward, at 2^28 elements and at 2^16, timed
+//! Element-wise benchmarks: every unary op and activation, the binary ops, the row broadcast, the
+//! fused `act(x * scale + bias)` and the gated `act(a) * b` (SwiGLU, GeGLU), forward and
+//! backward, at 2^28 elements and at 2^16, timed
 //! the way `triton.testing.do_bench` times PyTorch in `benches/torch_elementwise.py`, so the two
 //! sets of numbers compare directly (`scripts/compare.py`).
 //!
@@ -25,7 +26,10 @@
 //!
 //! GB/s counts each input read once and each output written once: unary forward 2N elements,
 //! backward 3N (x and grad in, grad_x out); binary 3N and 5N; the row and fused ops 2N forward and
-//! 3N backward plus their `[cols]` parameter vectors (read, and their gradients written).
+//! 3N backward plus their `[cols]` parameter vectors (read, and their gradients written); the
+//! gated ops, on `M = rows * GLU_F` outputs with `rows = n / GLU_F` (an LLM's MLP width), 3M
+//! forward (`[rows, 2 GLU_F]` in, `[rows, GLU_F]` out) and 5M backward (and grad in, dx out),
+//! `glu_*` from the fused input, `glu2_*` from two tensors.
 //! With no GPU the bench prints why and exits 0.
 
 mod harness;
@@ -36,6 +40,8 @@ use kernels::{DType, Device, Result, Tensor};
 
 /// Columns of the `[rows, COLS]` inputs (the last dimension of the row and fused ops).
 const COLS: usize = 1024;
+/// F of the gated ops' `[rows, 2F]` inputs: Llama 3 8B's MLP width (not a power of two).
+const GLU_F: usize = 14336;
 /// The sizes: 2^28 (fills the chip, far beyond L2) and 2^16 (launch-bound).
 const SIZES: [usize; 2] = [1 << 28, 1 << 16];
 
@@ -64,6 +70,15 @@ enum Kind {
     Binary(BinaryOp),
     AddRow,
     Fused(Activation),
+    /// `act(a) * b` of the halves of `x: [rows, 2F]`.
+    Glu(Activation),
+    /// `act(a) * b` of two tensors `[rows, F]`.
+    Glu2(Activation),
+}
+
+/// Rows of the gated ops' inputs for a case of `n` elements (at least one).
+fn glu_rows(n: usize) -> usize {
+    (n / GLU_F).max(1)
 }
 
 struct Case {
@@ -103,6 +118,8 @@ impl Case {
             (Kind::AddRow, Dir::Bwd) => 3 * n + 2 * c,
             (Kind::Fused(_), Dir::Fwd) => 2 * n + 2 * c,
             (Kind::Fused(_), Dir::Bwd) => 3 * n + 4 * c,
+            (Kind::Glu(_) | Kind::Glu2(_), Dir::Fwd) => 3 * (glu_rows(self.n) * GLU_F) as u64,
+            (Kind::Glu(_) | Kind::Glu2(_), Dir::Bwd) => 5 * (glu_rows(self.n) * GLU_F) as u64,
         };
         elems * s
     }
@@ -164,12 +181,28 @@ fn cases() -> Vec<Case> {
             push("scale_bias_silu", Kind::Fused(Activation::Silu), dt, Dir::Fwd);
             push("scale_bias_silu", Kind::Fused(Activation::Silu), dt, Dir::Bwd);
         }
+        // The gated activations: SwiGLU in f32 and bf16, GeGLU (both forms) in bf16, fused and
+        // from two tensors.
+        let glu = [
+            ("glu_silu", Kind::Glu(Activation::Silu), DType::F32),
+            ("glu_silu", Kind::Glu(Activation::Silu), DType::BF16),
+            ("glu_gelu", Kind::Glu(Activation::Gelu), DType::BF16),
+            ("glu_gelu_tanh", Kind::Glu(Activation::GeluTanh), DType::BF16),
+            ("glu2_silu", Kind::Glu2(Activation::Silu), DType::BF16),
+        ];
+        for (op, kind, dt) in glu {
+            push(op, kind, dt, Dir::Fwd);
+            push(op, kind, dt, Dir::Bwd);
+        }
     }
     v
 }
 
 /// Creates the case's inputs (fresh random numbers, never zeros) and the closure that runs it.
 fn build(dev: &Device, case: &Case, seed: u64) -> Result<Run> {
+    if let Kind::Glu(act) | Kind::Glu2(act) = case.kind {
+        return build_glu(dev, case, act, seed);
+    }
     let (dt, shape) = (case.dtype, [case.n / COLS, COLS]);
     let x = if case.positive_input() {
         Tensor::rand_uniform(dev, &shape, dt, 0.1, 4.0, seed)?
@@ -220,6 +253,34 @@ fn build(dev: &Device, case: &Case, seed: u64) -> Result<Run> {
             Box::new(move || {
                 let gr = ops::scale_bias_act_backward(&x, &s, &b, &g, act)?;
                 Ok(vec![gr.x, gr.scale, gr.bias])
+            })
+        }
+        (Kind::Glu(_) | Kind::Glu2(_), _) => unreachable!("built by build_glu"),
+    })
+}
+
+/// [`build`] for the gated ops: `x: [rows, 2F]` (or `a`, `b`: `[rows, F]`) and the gradient.
+fn build_glu(dev: &Device, case: &Case, act: Activation, seed: u64) -> Result<Run> {
+    let (dt, rows) = (case.dtype, glu_rows(case.n));
+    let half = |s: u64| Tensor::rand_normal(dev, &[rows, GLU_F], dt, 0.0, 1.0, seed.wrapping_add(s));
+    let g = half(3)?;
+    Ok(match (case.kind, case.dir) {
+        (Kind::Glu(_), dir) => {
+            let x = Tensor::rand_normal(dev, &[rows, 2 * GLU_F], dt, 0.0, 1.0, seed)?;
+            match dir {
+                Dir::Fwd => Box::new(move || Ok(vec![ops::glu(&x, act)?])),
+                Dir::Bwd => Box::new(move || Ok(vec![ops::glu_backward(&x, &g, act)?])),
+            }
+        }
+        (_, Dir::Fwd) => {
+            let (a, b) = (half(1)?, half(2)?);
+            Box::new(move || Ok(vec![ops::glu2(&a, &b, act)?]))
+        }
+        (_, Dir::Bwd) => {
+            let (a, b) = (half(1)?, half(2)?);
+            Box::new(move || {
+                let (da, db) = ops::glu2_backward(&a, &b, &g, act)?;
+                Ok(vec![da, db])
             })
         }
     })

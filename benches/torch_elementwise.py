@@ -18,11 +18,14 @@ graph (so the graph's host overhead counts, as it does in training). Note that s
 run no kernel at all in PyTorch (add: both gradients alias the incoming one; add_scalar,
 sub_scalar: the gradient passes through; add_row: grad_x aliases it), while our ops always
 write fresh outputs. The fused baseline is the three-kernel eager sequence act(x * scale + bias),
-forward and backward (autograd w.r.t. x, scale and bias).
+forward and backward (autograd w.r.t. x, scale and bias). The gated baselines are PyTorch's eager
+composition: ``a, b = x.chunk(2, -1); act(a) * b`` (glu_*) or ``act(a) * b`` of two tensors
+(glu2_*), forward and backward (autograd w.r.t. x, or a and b).
 
 Bytes are counted as in the Rust bench (each input read once, each output written once):
 unary 2N / 3N, binary 3N / 5N, add_row 2N + C / 3N + 2C, fused 2N + 2C / 3N + 4C (C = 1024
-columns), copy 2N; times the element size.
+columns), copy 2N; the gated ops 3M / 5M on M = rows * GLU_F outputs, rows = N // GLU_F; times the
+element size.
 """
 import json
 import re
@@ -36,6 +39,7 @@ from triton.testing import do_bench
 aten = torch.ops.aten
 dev = "cuda"
 COLS = 1024
+GLU_F = 14336  # the gated ops' F: inputs [rows, 2F] (or two [rows, F]), as benches/elementwise.rs
 SIZES = [1 << 28, 1 << 16]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # The op table: name -> (activation, ((param, value), ...), from_output, positive, torch, ...).
@@ -105,6 +109,19 @@ ACTIVATIONS = [name for name, row in TABLE.items() if row[0]]
 FROM_OUTPUT = ("sigmoid", "tanh")
 BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
 FUSED = {"scale_bias_relu": F.relu, "scale_bias_gelu": F.gelu, "scale_bias_silu": F.silu}
+GLU_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda a: F.gelu(a, approximate="tanh")}
+# (op, kind, dtype) of the gated cases, in the Rust bench's order.
+GLU = [
+    ("glu_silu", "glu", "f32"),
+    ("glu_silu", "glu", "bf16"),
+    ("glu_gelu", "glu", "bf16"),
+    ("glu_gelu_tanh", "glu", "bf16"),
+    ("glu2_silu", "glu2", "bf16"),
+]
+
+
+def glu_rows(n):
+    return max(n // GLU_F, 1)
 
 
 def cases():
@@ -140,12 +157,16 @@ def cases():
                 ("scale_bias_silu", "fused", dt, n, "fwd"),
                 ("scale_bias_silu", "fused", dt, n, "bwd"),
             ]
+        for op, kind, dt in GLU:
+            out += [(op, kind, dt, n, "fwd"), (op, kind, dt, n, "bwd")]
     return out
 
 
 def nbytes(kind, direction, n, dt):
     size = torch.tensor([], dtype=DTYPES[dt]).element_size()
     c = COLS
+    if kind in ("glu", "glu2"):
+        return (3 if direction == "fwd" else 5) * glu_rows(n) * GLU_F * size
     elems = {
         ("copy", "fwd"): 2 * n,
         ("unary", "fwd"): 2 * n,
@@ -164,6 +185,26 @@ def nbytes(kind, direction, n, dt):
 def build(op, kind, dt, n, direction):
     """Fresh random inputs (never zeros) and the thunk PyTorch runs for this case."""
     t = DTYPES[dt]
+    if kind in ("glu", "glu2"):
+        act = GLU_ACT[op.split("_", 1)[1]]
+        rows = glu_rows(n)
+        if kind == "glu":
+            x = normal((rows, 2 * GLU_F), t)
+
+            def f(x):
+                a, b = x.chunk(2, dim=-1)
+                return act(a) * b
+
+            if direction == "fwd":
+                return lambda: f(x)
+            return autograd_bwd(f, x, normal((rows, GLU_F), t))
+        a, b = normal((rows, GLU_F), t), normal((rows, GLU_F), t)
+        if direction == "fwd":
+            return lambda: act(a) * b
+        g = normal((rows, GLU_F), t)
+        ar, br = a.requires_grad_(True), b.requires_grad_(True)
+        y = act(ar) * br
+        return lambda: torch.autograd.grad(y, (ar, br), g, retain_graph=True)
     shape = (n // COLS, COLS)
     x = positive(shape, t) if op in POSITIVE else normal(shape, t)
     if kind == "copy":

@@ -4,6 +4,7 @@
 use crate::device::LaunchConfig;
 use crate::error::{Error, Result};
 use kernels_gpu::elementwise::{BLOCK, CHUNK_BLOCK, COL_BLOCK_X, COL_BLOCK_Y, half_vectors, small_block};
+use kernels_gpu::glu::GLU_BLOCK;
 
 /// Grid for an element-wise kernel over `n` elements moved `vec` at a time, `unroll` vectors
 /// per thread per round of its grid-stride loop, on a GPU with `sm_count` SMs holding
@@ -96,6 +97,37 @@ pub fn col_reduce(rows: u64, cols: u64, sm_count: u32, blocks_per_sm: u32) -> Op
     ))
 }
 
+/// Grid of the gated kernels over `rows` rows of `cols` outputs, `vec` elements a 16-byte vector
+/// (`kernels_gpu::glu`): [`GLU_BLOCK`]-thread blocks of `bx` vectors of a row by `GLU_BLOCK / bx`
+/// rows, `bx` a power of two from 32 (or the row's vectors, if fewer) to 256 leaving the fewest
+/// threads past the row's end; a thread for every vector of a row in x, and in y one for every row
+/// up to 65535 blocks (the kernel loops over the rest). `None` where there is nothing to do; an
+/// error (naming `op`) past the grid's 2^31 - 1 blocks in x. A `vec` of 0 counts as 1.
+pub fn glu(op: &'static str, rows: u64, cols: u64, vec: u64) -> Result<Option<LaunchConfig>> {
+    if rows == 0 || cols == 0 {
+        return Ok(None);
+    }
+    let q = cols.div_ceil(vec.max(1));
+    let smallest = q.min(32).next_power_of_two();
+    let waste = |bx: u64| (bx - q % bx) % bx;
+    let mut bx = smallest;
+    let mut cand = smallest;
+    while cand <= GLU_BLOCK as u64 {
+        if waste(cand) <= waste(bx) {
+            bx = cand;
+        }
+        cand *= 2;
+    }
+    let gx = q.div_ceil(bx);
+    let gx = u32::try_from(gx).ok().filter(|&g| g <= i32::MAX as u32).ok_or_else(|| Error::InvalidArgument {
+        op,
+        message: format!("rows of {cols} elements need {gx} blocks of {bx} vectors, past the grid's 2^31 - 1"),
+    })?;
+    let by = GLU_BLOCK as u64 / bx;
+    let gy = rows.div_ceil(by).min(65_535) as u32;
+    Ok(Some(LaunchConfig { grid: (gx, gy, 1), block: (bx as u32, by as u32, 1), shared_bytes: 0 }))
+}
+
 /// One thread per item, 256-thread blocks (for the small finishing kernels).
 pub fn one_per_thread(n: u64) -> Option<LaunchConfig> {
     if n == 0 {
@@ -138,7 +170,32 @@ pub(crate) mod tests {
             let _ = elementwise_chunks("t", n, a, b);
             let _ = col_reduce(n, a, s, t);
             let _ = one_per_thread(n);
+            if let Ok(Some(c)) = glu("t", n, a, b) {
+                prop_assert!(c.block.0 * c.block.1 == GLU_BLOCK && c.grid.0 >= 1 && (1..=65_535).contains(&c.grid.1));
+            }
         }
+    }
+
+    #[test]
+    fn glu_covers_every_row_and_vector() {
+        assert_eq!(glu("t", 0, 8, 8).unwrap(), None);
+        assert_eq!(glu("t", 8, 0, 8).unwrap(), None);
+        for rows in [1u64, 3, 8, 255, 4096, 1 << 20] {
+            for cols in [1u64, 3, 7, 8, 9, 31, 64, 1000, 5504, 11008, 14336, 1 << 24] {
+                for vec in [4u64, 8] {
+                    let c = glu("t", rows, cols, vec).unwrap().unwrap();
+                    let (bx, by) = (c.block.0 as u64, c.block.1 as u64);
+                    assert_eq!(bx * by, GLU_BLOCK as u64);
+                    let q = cols.div_ceil(vec);
+                    assert!(c.grid.0 as u64 * bx >= q && (c.grid.0 as u64 - 1) * bx < q, "rows={rows} cols={cols}");
+                    assert!(c.grid.1 as u64 * by >= rows || c.grid.1 == 65_535, "rows={rows} cols={cols}");
+                    // A warp reads whole vectors of one row where the row has 32 of them.
+                    assert!(bx >= q.min(32), "rows={rows} cols={cols}: {bx}");
+                }
+            }
+        }
+        // LLM shapes leave no thread idle: 11008 bf16 columns are 1376 vectors, 43 warps.
+        assert_eq!(glu("t", 8192, 11008, 8).unwrap().unwrap().block, (32, 8, 1));
     }
 
     #[test]

@@ -107,6 +107,67 @@ fn reference_derivatives_match_finite_differences() {
     }
 }
 
+/// The gated kernels' f32 formulas (`kernels_gpu::glu::fwd_one`, `bwd_one`) against the f64
+/// references and their bounds, for every activation, on the GPU tests' inputs; and the
+/// references' derivatives against finite differences.
+#[test]
+fn glu_formulas_match_the_f64_references() {
+    const M: usize = 50_000;
+    for act in activations() {
+        let mut rng = TestRng::new(0x91 ^ M as u64);
+        let xa = draw(&mut rng, M, DType::F32, Draw::NORMAL);
+        let xb = draw(&mut rng, M, DType::F32, Draw::NORMAL);
+        let gs = draw(&mut rng, M, DType::F32, Draw { scale: 1.0, positive: false, special: 0.02 });
+        let (k, p0, p1) = act.kernel();
+        let (a, b, g) = (|i: usize| xa[i] as f64, |i: usize| xb[i] as f64, |i: usize| gs[i] as f64);
+        let show = |i: usize| format!("a = {:e}, b = {:e}, g = {:e}", xa[i], xb[i], gs[i]);
+        let fwd: Vec<f32> = (0..M).map(|i| k.glu_fwd_f32(xa[i], xb[i], p0, p1)).collect();
+        let want: Vec<f64> = (0..M).map(|i| r::glu_fwd(act, a(i), b(i))).collect();
+        compare(
+            &format!("glu {act:?} forward"),
+            DType::F32,
+            &fwd,
+            &want,
+            |i| r::glu_fwd_tol(act, a(i), b(i)),
+            |i| at_extremes(&[xa[i], xb[i]], || fwd[i]),
+            show,
+        )
+        .unwrap();
+        let bwd: Vec<(f32, f32)> = (0..M).map(|i| k.glu_bwd_f32(xa[i], xb[i], gs[i], p0, p1)).collect();
+        let want: Vec<(f64, f64)> = (0..M).map(|i| r::glu_bwd(act, a(i), b(i), g(i))).collect();
+        let tol = |i: usize| r::glu_bwd_tol(act, a(i), b(i), g(i));
+        let em = |i: usize| at_extremes(&[xa[i], xb[i], gs[i]], || 0.0).map(|_| bwd[i]);
+        for (what, pick) in [("d/da", 0usize), ("d/db", 1)] {
+            let side = |p: (f32, f32)| if pick == 0 { p.0 } else { p.1 };
+            let side64 = |p: (f64, f64)| if pick == 0 { p.0 } else { p.1 };
+            compare(
+                &format!("glu {act:?} {what}"),
+                DType::F32,
+                &bwd.iter().map(|&p| side(p)).collect::<Vec<_>>(),
+                &want.iter().map(|&p| side64(p)).collect::<Vec<_>>(),
+                |i| if pick == 0 { tol(i).0 } else { tol(i).1 },
+                |i| em(i).map(side),
+                show,
+            )
+            .unwrap();
+        }
+        let (mut checked, fd_n) = (0, 20_000);
+        for i in 0..fd_n {
+            let Some((fa, fb)) = r::glu_finite_difference(act, a(i), b(i)) else { continue };
+            let (da, db) = r::glu_bwd(act, a(i), b(i), 1.0);
+            // The activation's difference quotient, within 1e-5 (1 + |d|), scaled by b.
+            let err_a = 1e-5 * (1.0 + fa.abs()) * b(i).abs().max(1.0);
+            assert!(
+                (da - fa).abs() <= err_a && (db - fb).abs() <= 1e-5 * (1.0 + fb.abs()),
+                "glu {act:?} at {}: derivatives ({da:e}, {db:e}), finite differences ({fa:e}, {fb:e})",
+                show(i)
+            );
+            checked += 1;
+        }
+        assert!(checked > fd_n / 2, "glu {act:?}: {checked} finite differences of {fd_n}");
+    }
+}
+
 #[test]
 fn binary_formulas_match_the_f64_references() {
     for op in [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div] {

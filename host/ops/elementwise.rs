@@ -160,7 +160,7 @@ macro_rules! unary_api {
                 match self { $(Activation::$ATy { .. } => Unary::$ATy),* }
             }
 
-            fn validate(self, op: &'static str) -> Result<()> {
+            pub(crate) fn validate(self, op: &'static str) -> Result<()> {
                 self.unary().check(self.params()).map_err(|m| Error::InvalidArgument { op, message: m.into() })
             }
 

@@ -9,6 +9,7 @@ pub mod elementwise;
 pub mod gemm;
 pub mod gemm_tc;
 pub(crate) mod gemm_wgmma;
+pub mod glu;
 pub mod init;
 pub mod linear;
 pub mod mathprobe;
@@ -26,6 +27,7 @@ pub use cross_entropy::*;
 pub use elementwise::*;
 pub use gemm::*;
 pub use gemm_tc::{Epilogue, gemm_fused};
+pub use glu::*;
 pub use linear::*;
 pub use norm::*;
 pub use optim::*;
@@ -34,11 +36,11 @@ pub use rope::*;
 pub use softmax::*;
 pub use transpose::*;
 
-/// Every kernel the library launches (the element-wise ops, softmax, norms, cross-entropy,
-/// reductions, transpose, the GEMM, attention, RoPE, init, the optimizer, the casts and the math
-/// probe), with the parameter count of the signature the host launches it with; checked against
-/// the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family derives its list from its
-/// declaration's typed handles.
+/// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
+/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, init, the optimizer, the
+/// casts and the math probe), with the parameter count of the signature the host launches it
+/// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
+/// derives its list from its declaration's typed handles.
 pub fn all_kernels() -> Vec<(String, usize)> {
     let mut v: Vec<(String, usize)> =
         kernels_gpu::elementwise::all_kernels().map(|k| (k.name.to_string(), k.arity)).collect();
@@ -52,6 +54,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::gemm_wgmma::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_tc::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::attention::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::glu::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));

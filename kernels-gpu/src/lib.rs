@@ -49,6 +49,7 @@ pub mod gemm_epilogue;
 pub mod gemm_tc;
 pub mod gemm_tf32x3;
 pub mod gemm_wgmma;
+pub mod glu;
 pub mod init;
 pub mod kernel;
 pub mod math;

@@ -369,6 +369,165 @@ def scale_bias_act(x: Tensor, scale: Tensor, bias: Tensor, activation: str = "ge
     return _call("scale_bias_act", x, scale, bias, activation, a, b)
 
 
+# --- gated activations: act(a) * b ---------------------------------------------------------------
+
+
+def _glu_halves(op: str, x: Tensor) -> tuple[int, int]:
+    """Rows and F of the fused input ``[.., 2F]``."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"{NS}::{op}: x must be [.., 2F] (a and b its halves), got shape {tuple(x.shape)}")
+    f = x.shape[-1] // 2
+    return (x.numel() // (2 * f) if f else 0), f
+
+
+def _glu_pair(op: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    a = _check(op, "a", a)
+    b = _check(op, "b", b, like=a)
+    if a.shape != b.shape:
+        raise ValueError(f"{NS}::{op}: a has shape {tuple(a.shape)}, b {tuple(b.shape)}; they must have one shape")
+    return a, b
+
+
+@_custom_op("glu")
+def glu_op(x: Tensor, act: str, a: float, b: float) -> Tensor:
+    op = "glu"
+    code, a, b = _activation(op, act, a, b)
+    x = _check(op, "x", x)
+    rows, f = _glu_halves(op, x)
+    y = _new((*x.shape[:-1], f), x)
+    dev, stream, dt = _where(x)
+    _native.glu_fwd(dev, stream, dt, code, a, b, x.data_ptr(), 0, y.data_ptr(), rows, f)
+    return y
+
+
+@glu_op.register_fake
+def _(x, act, a, b):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@_custom_op("glu_backward")
+def glu_backward_op(x: Tensor, grad: Tensor, act: str, a: float, b: float) -> Tensor:
+    op = "glu_backward"
+    code, a, b = _activation(op, act, a, b)
+    x = _check(op, "x", x)
+    rows, f = _glu_halves(op, x)
+    grad = _check(op, "grad", grad, like=x)
+    if tuple(grad.shape) != (*x.shape[:-1], f):
+        raise ValueError(f"{NS}::{op}: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
+    gx = torch.empty_like(x)
+    dev, stream, dt = _where(x)
+    _native.glu_bwd(dev, stream, dt, code, a, b, x.data_ptr(), 0, grad.data_ptr(), gx.data_ptr(), 0, rows, f)
+    return gx
+
+
+@glu_backward_op.register_fake
+def _(x, grad, act, a, b):
+    return x.new_empty(x.shape)
+
+
+def _glu_setup(ctx, inputs, output):
+    x, act, a, b = inputs
+    ctx.save_for_backward(x)
+    ctx.act = (act, a, b)
+
+
+def _glu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _bwd(ctx, "glu_backward")(x, grad, *ctx.act), None, None, None
+
+
+_autograd(glu_op, "glu", _glu_backward, _glu_setup)
+
+
+@_custom_op("glu2")
+def glu2_op(x: Tensor, gate: Tensor, act: str, a: float, b: float) -> Tensor:
+    # x: the activation's input (``a`` of ``act(a) * b``), gate: ``b``.
+    op = "glu2"
+    code, a, b = _activation(op, act, a, b)
+    x, gate = _glu_pair(op, x, gate)
+    rows, f = _rows_cols(op, x)
+    y = torch.empty_like(x)
+    dev, stream, dt = _where(x)
+    _native.glu_fwd(dev, stream, dt, code, a, b, x.data_ptr(), gate.data_ptr(), y.data_ptr(), rows, f)
+    return y
+
+
+@glu2_op.register_fake
+def _(x, gate, act, a, b):
+    return x.new_empty(x.shape)
+
+
+@_custom_op("glu2_backward")
+def glu2_backward_op(x: Tensor, gate: Tensor, grad: Tensor, act: str, a: float, b: float) -> tuple[Tensor, Tensor]:
+    op = "glu2_backward"
+    code, a, b = _activation(op, act, a, b)
+    x, gate = _glu_pair(op, x, gate)
+    grad = _check(op, "grad", grad, like=x)
+    if grad.shape != x.shape:
+        raise ValueError(f"{NS}::{op}: grad has shape {tuple(grad.shape)}, x {tuple(x.shape)}")
+    rows, f = _rows_cols(op, x)
+    gx, gg = torch.empty_like(x), torch.empty_like(x)
+    dev, stream, dt = _where(x)
+    _native.glu_bwd(
+        dev, stream, dt, code, a, b, x.data_ptr(), gate.data_ptr(), grad.data_ptr(), gx.data_ptr(), gg.data_ptr(),
+        rows, f,
+    )  # fmt: skip
+    return gx, gg
+
+
+@glu2_backward_op.register_fake
+def _(x, gate, grad, act, a, b):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def _glu2_setup(ctx, inputs, output):
+    x, gate, act, a, b = inputs
+    ctx.save_for_backward(x, gate)
+    ctx.act = (act, a, b)
+
+
+def _glu2_backward(ctx, grad):
+    x, gate = ctx.saved_tensors
+    gx, gg = _bwd(ctx, "glu2_backward")(x, gate, grad, *ctx.act)
+    return gx, gg, None, None, None
+
+
+_autograd(glu2_op, "glu2", _glu2_backward, _glu2_setup)
+
+
+def glu_act(x: Tensor, activation: str = "silu", *params: float, gate: Optional[Tensor] = None) -> Tensor:
+    """``act(a) * b`` in one kernel, forward and backward: ``a, b = x.chunk(2, dim=-1)`` (as
+    ``F.glu`` splits ``x: [.., 2F]``, output ``[.., F]``), or ``a = x`` and ``b = gate`` (one
+    shape). ``activation`` is any of ``ACTIVATIONS`` (``"silu"``: SwiGLU, ``"gelu"`` or
+    ``"gelu_tanh"``: GeGLU, ``"relu"``: ReGLU, ``"sigmoid"``: GLU with the halves in this order,
+    which ``F.glu`` swaps: ``F.glu(x) = a * sigmoid(b)``); ``params`` are its parameters,
+    PyTorch's defaults if omitted."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"glu_act: unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    defaults = [d for _, d in ACTIVATIONS[activation][1]]
+    a, b = _act_params(list(params) + defaults[len(params) :])
+    if gate is None:
+        return _call("glu", x, activation, a, b)
+    return _call("glu2", x, gate, activation, a, b)
+
+
+def swiglu(x: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    """SwiGLU: ``F.silu(a) * b`` (``a, b = x.chunk(2, dim=-1)``, or ``a = x``, ``b = gate``)."""
+    return glu_act(x, "silu", gate=gate)
+
+
+def geglu(x: Tensor, gate: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
+    """GeGLU: ``F.gelu(a, approximate=approximate) * b`` (halves of ``x``, or ``x`` and ``gate``)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return glu_act(x, "gelu" if approximate == "none" else "gelu_tanh", gate=gate)
+
+
+def reglu(x: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    """ReGLU: ``F.relu(a) * b`` (halves of ``x``, or ``x`` and ``gate``)."""
+    return glu_act(x, "relu", gate=gate)
+
+
 # --- softmax ------------------------------------------------------------------------------------
 
 

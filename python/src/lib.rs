@@ -410,6 +410,76 @@ fn scale_bias_act_bwd(
     c.run(py, || ops::scale_bias_act_backward_out(&x, &scale, &bias, &g, act, &mut grads))
 }
 
+/// `act(a) * b` into `y` (`[rows, f]`): from the fused `x` (`[rows, 2f]`, a and b its halves) when
+/// `x2` is 0, else from `a = x` and `b = x2` (`[rows, f]` each).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn glu_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    x2: u64,
+    y: u64,
+    rows: usize,
+    f: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    let s = [rows, f];
+    // SAFETY: see `unary_fwd_with`.
+    let mut y = unsafe { c.t(y, &s)? };
+    if x2 == 0 {
+        // SAFETY: as above.
+        let x = unsafe { c.t(x, &[rows, 2 * f])? };
+        c.run(py, || ops::glu_out(&x, act, &mut y))
+    } else {
+        // SAFETY: as above.
+        let (a, b) = unsafe { (c.t(x, &s)?, c.t(x2, &s)?) };
+        c.run(py, || ops::glu2_out(&a, &b, act, &mut y))
+    }
+}
+
+/// Gradients of `act(a) * b` from `g` (`[rows, f]`): of the fused `x` into `gx` (`[rows, 2f]`)
+/// when `x2` is 0, else of `a = x` and `b = x2` into `gx` and `gx2` (`[rows, f]` each).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn glu_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    act: u8,
+    a: f32,
+    b: f32,
+    x: u64,
+    x2: u64,
+    g: u64,
+    gx: u64,
+    gx2: u64,
+    rows: usize,
+    f: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let act = activation(act, a, b)?;
+    let s = [rows, f];
+    // SAFETY: see `unary_fwd_with`.
+    let g = unsafe { c.t(g, &s)? };
+    if x2 == 0 {
+        // SAFETY: as above.
+        let (x, mut gx) = unsafe { (c.t(x, &[rows, 2 * f])?, c.t(gx, &[rows, 2 * f])?) };
+        c.run(py, || ops::glu_backward_out(&x, &g, act, &mut gx))
+    } else {
+        // SAFETY: as above.
+        let (a, b, mut ga, mut gb) = unsafe { (c.t(x, &s)?, c.t(x2, &s)?, c.t(gx, &s)?, c.t(gx2, &s)?) };
+        c.run(py, || ops::glu2_backward_out(&a, &b, &g, act, &mut ga, &mut gb))
+    }
+}
+
 /// Softmax (or log-softmax if `log`) of `x` into `y`, rows of `cols`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -1005,6 +1075,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(binary_row_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(scale_bias_act_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(glu_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(glu_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(softmax_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(softmax_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(norm_fwd, m)?)?;

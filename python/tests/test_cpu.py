@@ -47,6 +47,24 @@ def test_modules_fall_back_to_pytorch_on_cpu():
     assert m.bias.grad is not None and m.scale.grad is not None and x.grad is not None
 
 
+def test_gated_modules_fall_back_to_pytorch_on_cpu():
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    a, b = x.chunk(2, dim=-1)
+    for m, ref in [
+        (knn.SwiGLU(), F.silu(a) * b),
+        (knn.GeGLU(), F.gelu(a) * b),
+        (knn.GeGLU("tanh"), F.gelu(a, approximate="tanh") * b),
+        (knn.ReGLU(), F.relu(a) * b),
+    ]:
+        assert torch.equal(m(x), ref), type(m).__name__
+        # The same views as the module's (PyTorch's CPU kernels may round a strided view and a
+        # contiguous copy differently).
+        af, bf = x.float().chunk(2, dim=-1)
+        assert torch.equal(m(x.float()), m._torch(af) * bf), type(m).__name__
+    with pytest.raises(ValueError, match="approximate"):
+        knn.GeGLU("fast")
+
+
 def test_linear_module_falls_back_to_pytorch_on_cpu():
     """CPU tensors (float32 and float64): PyTorch's F.linear and activation, bit for bit, with
     gradients; the same parameters and state_dict keys as torch.nn.Linear."""

@@ -443,6 +443,50 @@ pub fn finite_difference(op: UnaryOp, x: f64) -> Option<f64> {
     None
 }
 
+// --- gated activations ------------------------------------------------------------------------
+
+/// `act(a) * b` (SwiGLU, GeGLU, GLU, ReGLU, ... by `act`).
+pub fn glu_fwd(act: Activation, a: f64, b: f64) -> f64 {
+    act_fwd(act, a) * b
+}
+
+/// `(d/da, d/db)` of [`glu_fwd`] times `g`, as PyTorch's autograd of `act(a) * b` computes it:
+/// the activation's backward of the product's gradient `g b`, and `g act(a)`.
+pub fn glu_bwd(act: Activation, a: f64, b: f64, g: f64) -> (f64, f64) {
+    (act_bwd(act, a, g * b), g * act_fwd(act, a))
+}
+
+/// `act(a)` within `t` of the exact value, times `b` in one more rounding: the relative errors
+/// add (with their product), the absolute one scales by `|b|` and the product's rounding.
+fn times_one_rounding(t: Tol, scale: f64) -> Tol {
+    Tol { rtol: t.rtol + U + t.rtol * U, atol: t.atol * scale * (1.0 + U) }
+}
+
+/// Error bound of the GPU's f32 [`glu_fwd`]: the activation's, then the product with `b`.
+pub fn glu_fwd_tol(act: Activation, a: f64, b: f64) -> Tol {
+    times_one_rounding(act_fwd_tol(act, a), b.abs())
+}
+
+/// Error bounds of the GPU's f32 [`glu_bwd`]: d/da is the activation's backward of `g b`, which
+/// is rounded once first (its relative error passes through the linear backward); d/db is the
+/// activation's forward times `g`.
+pub fn glu_bwd_tol(act: Activation, a: f64, b: f64, g: f64) -> (Tol, Tol) {
+    (times_one_rounding(act_bwd_tol(act, a, g * b), 1.0), times_one_rounding(act_fwd_tol(act, a), g.abs()))
+}
+
+/// The derivatives of [`glu_fwd`] in `a` and in `b` at `(a, b)` by finite differences (`a`'s as
+/// [`finite_difference`] of the activation, times `b`; `b`'s, a linear function, one central
+/// difference), or `None` where the activation's is not meaningful.
+pub fn glu_finite_difference(act: Activation, a: f64, b: f64) -> Option<(f64, f64)> {
+    if !b.is_finite() || b.abs() > 1e4 {
+        return None;
+    }
+    let da = finite_difference(UnaryOp::Act(act), a)?;
+    let h = 1e-3 * b.abs().max(1.0);
+    let db = (glu_fwd(act, a, b + h) - glu_fwd(act, a, b - h)) / (2.0 * h);
+    Some((da * b, db))
+}
+
 // --- binary ---------------------------------------------------------------------------------------
 
 pub fn binary_fwd(op: BinaryOp, x: f64, y: f64) -> f64 {
