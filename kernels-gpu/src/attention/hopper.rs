@@ -36,9 +36,9 @@ const fn panel(rows: u32) -> u32 {
 }
 
 /// Dynamic shared memory of a block for the padded head dim `dp` (64 or 128): up to 1 KiB to
-/// align to the 1024 bytes of the swizzle, Q, the ring of K and V, the mbarriers.
+/// align to the 1024 bytes of the swizzle, Q, the rings of K and V, the mbarriers.
 pub const fn smem_bytes(dp: u32) -> u32 {
-    1024 + (dp / 64) * panel(BM) + STAGES * 2 * (dp / 64) * panel(BN) + 8 * (1 + 2 * STAGES)
+    1024 + (dp / 64) * panel(BM) + STAGES * 2 * (dp / 64) * panel(BN) + 8 * (1 + 4 * STAGES)
 }
 
 /// Everything one launch needs (one kernel parameter, `#[repr(C)]`).
@@ -155,38 +155,51 @@ mod device {
         }
     }
 
-    /// The shared-memory layout of a block: Q's panels, the ring, the barriers.
+    /// The shared-memory layout of a block: Q's panels, the K ring, the V ring, the barriers
+    /// (Q's; then full and empty for each stage of K, then of V).
     #[derive(Clone, Copy)]
     struct Smem {
         q: u32,
-        ring: u32,
+        k: u32,
+        v: u32,
         bars: u32,
+        dp: u32,
     }
 
     impl Smem {
         fn new(dp: u32) -> Smem {
             let q = (dyn_smem_addr() + 1023) & !1023;
-            let ring = q + (dp / 64) * panel(BM);
-            Smem { q, ring, bars: ring + STAGES * stage_bytes(dp) }
+            let k = q + (dp / 64) * panel(BM);
+            let v = k + STAGES * tile_bytes(dp);
+            Smem { q, k, v, bars: v + STAGES * tile_bytes(dp), dp }
         }
         fn q_bar(self) -> u32 {
             self.bars
         }
-        fn full(self, s: u32) -> u32 {
-            self.bars + 8 * (1 + s)
+        /// `ring` 0: K, 1: V.
+        fn full(self, ring: u32, s: u32) -> u32 {
+            self.bars + 8 * (1 + 2 * STAGES * ring + s)
         }
-        fn empty(self, s: u32) -> u32 {
-            self.bars + 8 * (1 + STAGES + s)
+        fn empty(self, ring: u32, s: u32) -> u32 {
+            self.bars + 8 * (1 + 2 * STAGES * ring + STAGES + s)
         }
-        /// K's panels of stage `s`; V's follow.
-        fn k(self, s: u32, dp: u32) -> u32 {
-            self.ring + s * stage_bytes(dp)
+        /// Stage `s` of ring `ring`: `dp / 64` panels of `BN` rows.
+        fn tile(self, ring: u32, s: u32) -> u32 {
+            (if ring == 0 { self.k } else { self.v }) + s * tile_bytes(self.dp)
         }
     }
 
-    /// Bytes of one stage: K's and V's `BN x dp` tiles.
-    const fn stage_bytes(dp: u32) -> u32 {
-        2 * (dp / 64) * panel(BN)
+    /// Bytes of one `BN x dp` tile of K or V.
+    const fn tile_bytes(dp: u32) -> u32 {
+        (dp / 64) * panel(BN)
+    }
+
+    /// The stage and phase of key block `nb` in either ring (both advance one stage a block from
+    /// the block's first, `nb0`).
+    #[inline(always)]
+    fn slot(nb: u32, nb0: u32) -> (u32, u32) {
+        let i = nb - nb0;
+        (i % STAGES, (i / STAGES) & 1)
     }
 
     /// The forward of one block: 128 query rows of one (batch, head).
@@ -214,9 +227,11 @@ mod device {
         unsafe {
             if tid == 0 {
                 mbarrier_init(sm.q_bar(), 1);
-                for s in 0..STAGES {
-                    mbarrier_init(sm.full(s), 1);
-                    mbarrier_init(sm.empty(s), CONSUMERS);
+                for ring in 0..2 {
+                    for s in 0..STAGES {
+                        mbarrier_init(sm.full(ring, s), 1);
+                        mbarrier_init(sm.empty(ring, s), CONSUMERS);
+                    }
                 }
                 fence_mbarrier_init();
             }
@@ -231,7 +246,7 @@ mod device {
                 // or in a stage both consumers released (the empty barrier's phase), and is
                 // signalled to a barrier that expects exactly its bytes (the copy engine counts the
                 // zero-filled elements outside the tensor too).
-                unsafe { produce(&p, sm, dp, (h, b), q0, (nb0, nb1)) };
+                unsafe { produce(&p, sm, (h, b), q0, (nb0, nb1)) };
             }
         } else {
             // SAFETY: the consumer warpgroups run this whole; the kernel's contract.
@@ -239,43 +254,156 @@ mod device {
         }
     }
 
-    /// The producer thread: Q's panels, then key blocks `nb0..nb1` into the ring.
+    /// The producer thread: Q's panels, then for each key block its K tile, then its V tile.
     ///
     /// # Safety
     /// As [`fwd`]'s, for its one thread.
     #[inline(always)]
-    unsafe fn produce(p: &HopperParams, sm: Smem, dp: u32, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
+    unsafe fn produce(p: &HopperParams, sm: Smem, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
+        let dp = sm.dp;
         let hk = h / p.group.max(1);
         // SAFETY: per the contract.
         unsafe {
-            let (mq, mk, mv) = (p.maps, p.maps.add(16), p.maps.add(32));
-            fence_tensormap(mq);
-            fence_tensormap(mk);
-            fence_tensormap(mv);
+            let maps = [p.maps, p.maps.add(16), p.maps.add(32)];
+            for m in maps {
+                fence_tensormap(m);
+            }
             mbarrier_arrive_expect_tx(sm.q_bar(), (dp / 64) * panel(BM));
             for c in 0..dp / 64 {
-                tma_load_4d(sm.q + c * panel(BM), mq, sm.q_bar(), ((64 * c) as i32, q0 as i32, h as i32, b as i32));
+                tma_load_4d(sm.q + c * panel(BM), maps[0], sm.q_bar(), ((64 * c) as i32, q0 as i32, h as i32, b as i32));
             }
-            let (mut s, mut ph) = (0u32, 0u32);
             for nb in nb0..nb1 {
-                mbarrier_wait_parity(sm.empty(s), ph ^ 1);
-                mbarrier_arrive_expect_tx(sm.full(s), stage_bytes(dp));
-                let (kd, vd) = (sm.k(s, dp), sm.k(s, dp) + stage_bytes(dp) / 2);
-                let at = |c: u32| ((64 * c) as i32, (nb * BN) as i32, hk as i32, b as i32);
-                for c in 0..dp / 64 {
-                    tma_load_4d(kd + c * panel(BN), mk, sm.full(s), at(c));
-                    tma_load_4d(vd + c * panel(BN), mv, sm.full(s), at(c));
-                }
-                s += 1;
-                if s == STAGES {
-                    s = 0;
-                    ph ^= 1;
+                let (s, ph) = slot(nb, nb0);
+                for ring in 0..2 {
+                    mbarrier_wait_parity(sm.empty(ring, s), ph ^ 1);
+                    mbarrier_arrive_expect_tx(sm.full(ring, s), tile_bytes(dp));
+                    for c in 0..dp / 64 {
+                        let at = ((64 * c) as i32, (nb * BN) as i32, hk as i32, b as i32);
+                        tma_load_4d(sm.tile(ring, s) + c * panel(BN), maps[1 + ring as usize], sm.full(ring, s), at);
+                    }
                 }
             }
         }
     }
 
+    /// What a consumer thread knows of its rows: their keys, the keys all rows of its warpgroup
+    /// see, the lane's quad position, and the scale.
+    struct Rows {
+        seen: [(u32, u32); 2],
+        all: (u32, u32),
+        t: u32,
+        sl2: f32,
+    }
+
+    /// `S = Q K^T` for this warpgroup's 64 rows and the key tile at `kb`, issued and committed
+    /// (not waited for): 16 columns of the head dim a step, 64 a panel (32 bytes a step within a
+    /// swizzled row); the warpgroup's rows start 64 rows into Q's panels.
+    ///
+    /// # Safety
+    /// The whole consumer warpgroup; Q and the tile complete (their barriers waited for).
+    #[inline(always)]
+    unsafe fn issue_s<const BF16: bool>(sc: &mut [f32; 64], sm: Smem, cw: u32, kb: u32) {
+        // SAFETY: all-zero bits are 0.0; the rest per the contract.
+        unsafe {
+            *sc = core::mem::zeroed();
+            wgmma_fence(sc);
+            unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
+                if KK < sm.dp / 16 {
+                    let da = wgmma_desc(sm.q + (KK / 4) * panel(BM) + cw * panel(64) + (KK % 4) * 32, 16, 1024);
+                    let db = wgmma_desc(kb + (KK / 4) * panel(BN) + (KK % 4) * 32, 16, 1024);
+                    wgmma_m64n128k16_ss::<BF16>(sc, da, db);
+                }
+            });
+            wgmma_commit();
+        }
+    }
+
+    /// `O += P V` for the value tile at `vb`, issued and committed: V's 16-key steps are 16 rows
+    /// (2048 bytes) on in its panels, which lie `panel(BN)` apart along the head dim.
+    ///
+    /// # Safety
+    /// The whole consumer warpgroup; the tile complete; `pa` and `o` untouched until the wait.
+    #[inline(always)]
+    unsafe fn issue_pv<const BF16: bool, D: Dim>(o: &mut D::Acc, pa: &[[u32; 4]; 8], vb: u32) {
+        // SAFETY: per the contract.
+        unsafe {
+            wgmma_fence(o);
+            unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
+                D::pv::<BF16>(o, pa[KK as usize], wgmma_desc(vb + KK * 2048, panel(BN), 1024));
+            });
+            wgmma_commit();
+        }
+    }
+
+    /// The scores of key block `k0` in `sc` (complete) to weights: scaled to log2 units, masked
+    /// where the block straddles an edge of some row's keys, the running max `m` and sum `l`
+    /// updated (online softmax). Returns O's rescale factor per row (R = 0: row g, 1: g + 8)
+    /// and P rounded to the dtype as the A fragments of 16 keys each (columns 16 KK + 2t.. of
+    /// rows g and g + 8, then 16 KK + 8 + 2t..), passed through `opaque` so that their
+    /// computation stays above the fence of the product that reads them.
+    #[inline(always)]
+    fn softmax<I: AttnType>(sc: &mut [f32; 64], k0: u32, r: &Rows, m: &mut [f32; 2], l: &mut [f32; 2]) -> ([f32; 2], [[u32; 4]; 8]) {
+        let masked = k0 < r.all.0 || k0 + BN > r.all.1;
+        unroll!(J: u32; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+            unroll!(E: u32; 0 1 2 3 => {
+                let i = (4 * J + E) as usize;
+                let x = sc[i] * r.sl2;
+                let key = k0 + 8 * J + 2 * r.t + E % 2;
+                let (from, to) = r.seen[(E / 2) as usize];
+                let hidden = masked && !(from <= key && key < to);
+                sc[i] = select_f32(hidden, f32::NEG_INFINITY, x);
+            });
+        });
+        let mut alpha = [0.0f32; 2];
+        unroll!(R: usize; 0 1 => {
+            let mut mx = f32::NEG_INFINITY;
+            unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                mx = max_nan(mx, max_nan(sc[4 * J + 2 * R], sc[4 * J + 2 * R + 1]));
+            });
+            // The 4 lanes of a row (t = 0..3) are adjacent.
+            mx = max_nan(mx, shfl_xor_f32(mx, 1));
+            mx = max_nan(mx, shfl_xor_f32(mx, 2));
+            let m_new = max_nan(m[R], mx);
+            // A row with no finite score yet subtracts 0: exp2(-inf - 0) = 0, never NaN.
+            let base = select_f32(m_new == f32::NEG_INFINITY, 0.0, m_new);
+            alpha[R] = ex2_approx_ftz(m[R] - base);
+            m[R] = m_new;
+            let mut sum = 0.0f32;
+            unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+                unroll!(E: usize; 0 1 => {
+                    let pv = ex2_approx_ftz(sc[4 * J + 2 * R + E] - base);
+                    sc[4 * J + 2 * R + E] = pv;
+                    sum += pv;
+                });
+            });
+            l[R] = l[R] * alpha[R] + sum;
+        });
+        let mut pa = [[0u32; 4]; 8];
+        unroll!(KK: usize; 0 1 2 3 4 5 6 7 => {
+            let f = |i: usize| I::pack2(sc[8 * KK + i], sc[8 * KK + i + 1]);
+            pa[KK] = opaque([f(0), f(2), f(4), f(6)]);
+        });
+        (alpha, pa)
+    }
+
+    /// O's rows scaled by `alpha` (per row, as [`softmax`] returns it).
+    #[inline(always)]
+    fn rescale<D: Dim>(o: &mut D::Acc, alpha: [f32; 2]) {
+        let oa = o.as_mut();
+        unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
+            if (J as u32) < D::DP / 8 {
+                unroll!(E: usize; 0 1 2 3 => {
+                    oa[4 * J + E] *= alpha[E / 2];
+                });
+            }
+        });
+    }
+
     /// A consumer warpgroup: its 64 query rows against key blocks `nb0..nb1`, then O and `lse`.
+    /// Within its own blocks `wb0..wb1` the products overlap the softmax: block `j`'s scores are
+    /// issued, then the previous block's `O += P V`; the softmax of block `j` runs while that
+    /// product does (FlashAttention-3's intra-warpgroup pipelining). K's stage is released once
+    /// its scores are done, V's once its product is.
     ///
     /// # Safety
     /// As [`fwd`]'s, for a whole consumer warpgroup.
@@ -283,7 +411,6 @@ mod device {
     unsafe fn consume<I: AttnType, D: Dim>(p: &HopperParams, sm: Smem, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
         // SAFETY: the whole warpgroup.
         unsafe { setmaxnreg::<true, 232>() };
-        let dp = D::DP;
         let bf16 = I::DTYPE == crate::DType::BF16;
         let tid = thread_idx_x();
         let cw = tid / 128 - 1;
@@ -292,125 +419,86 @@ mod device {
         let (sq, sk) = (p.seq_q, p.seq_k);
         let row0 = q0 + 64 * cw;
         let rows = [row0 + 16 * warp + g, row0 + 16 * warp + g + 8];
-        let seen = [key_range(rows[0], p.lo, p.hi, sk), key_range(rows[1], p.lo, p.hi, sk)];
         // This warpgroup's key blocks, and the keys all its rows see (blocks inside need no mask).
         let wg_last = (row0 + 63).min(sq.saturating_sub(1));
-        let (wb0, wb1) = if row0 < sq { block_range(row0, wg_last, p.lo, p.hi, sk, BN) } else { (0, 0) };
-        let (all_from, _) = key_range(wg_last, p.lo, p.hi, sk);
-        let (_, all_to) = key_range(row0, p.lo, p.hi, sk);
-        let sl2 = p.scale_log2;
+        // (Inside nb0..nb1 when not empty; (nb0, nb0) when empty, so that every block is skipped.)
+        let (wb0, wb1) = match block_range(row0, wg_last, p.lo, p.hi, sk, BN) {
+            (w0, w1) if row0 < sq && w0 < w1 => (w0, w1),
+            _ => (nb0, nb0),
+        };
+        let r = Rows {
+            seen: [key_range(rows[0], p.lo, p.hi, sk), key_range(rows[1], p.lo, p.hi, sk)],
+            all: (key_range(wg_last, p.lo, p.hi, sk).0, key_range(row0, p.lo, p.hi, sk).1),
+            t,
+            sl2: p.scale_log2,
+        };
+        let leader = tid % 128 == 0;
+        // Waits for block nb's tile of `ring` and releases it unused.
+        let skip = |nb: u32, ring: u32| {
+            let (s, ph) = slot(nb, nb0);
+            // SAFETY: the barriers are initialised; an arrive after the wait keeps this
+            // warpgroup within one phase of the other's.
+            unsafe {
+                mbarrier_wait_parity(sm.full(ring, s), ph);
+                if leader {
+                    mbarrier_arrive(sm.empty(ring, s));
+                }
+            }
+        };
 
         let mut o = D::zero();
         let mut m = [f32::NEG_INFINITY; 2];
         let mut l = [0.0f32; 2];
-        let (mut s, mut ph) = (0u32, 0u32);
-        // SAFETY: Q's panels and a stage are read only after their barrier's phase completed (the
-        // copies' bytes are visible to the tensor cores); a stage is released only after the
-        // products reading it completed.
+        // SAFETY: Q's panels and a tile are read only after their barrier's phase completed (the
+        // copies' bytes are visible to the tensor cores); a tile is released only after the
+        // products reading it completed; P's registers and O are left alone while a product
+        // reading them is in flight.
         unsafe {
             mbarrier_wait_parity(sm.q_bar(), 0);
-            for nb in nb0..nb1 {
-                mbarrier_wait_parity(sm.full(s), ph);
-                if wb0 <= nb && nb < wb1 {
-                    let kb = sm.k(s, dp);
-                    let vb = kb + stage_bytes(dp) / 2;
-                    let k0 = nb * BN;
-                    // S = Q K^T: 16 columns of the head dim a step, 64 a panel (32 bytes a step
-                    // within a swizzled row); this warpgroup's rows start 64 rows into Q's panels.
-                    // SAFETY: all-zero bits are 0.0.
-                    let mut sc: [f32; 64] = core::mem::zeroed();
-                    wgmma_fence(&mut sc);
-                    unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
-                        if KK < dp / 16 {
-                            let da = wgmma_desc(sm.q + (KK / 4) * panel(BM) + cw * panel(64) + (KK % 4) * 32, 16, 1024);
-                            let db = wgmma_desc(kb + (KK / 4) * panel(BN) + (KK % 4) * 32, 16, 1024);
-                            if bf16 {
-                                wgmma_m64n128k16_ss::<true>(&mut sc, da, db);
-                            } else {
-                                wgmma_m64n128k16_ss::<false>(&mut sc, da, db);
-                            }
-                        }
-                    });
-                    wgmma_commit();
-                    wgmma_wait::<0>(&mut sc);
-
-                    // Scale to log2 units; mask where the block straddles an edge of some row's keys.
-                    let masked = k0 < all_from || k0 + BN > all_to;
-                    unroll!(J: u32; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
-                        unroll!(E: u32; 0 1 2 3 => {
-                            let i = (4 * J + E) as usize;
-                            let x = sc[i] * sl2;
-                            let key = k0 + 8 * J + 2 * t + E % 2;
-                            let (from, to) = seen[(E / 2) as usize];
-                            let hidden = masked && !(from <= key && key < to);
-                            sc[i] = select_f32(hidden, f32::NEG_INFINITY, x);
-                        });
-                    });
-
-                    // The online softmax, per row of this thread (R = 0: row g, 1: row g + 8).
-                    let mut alpha = [0.0f32; 2];
-                    unroll!(R: usize; 0 1 => {
-                        let mut mx = f32::NEG_INFINITY;
-                        unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
-                            mx = max_nan(mx, max_nan(sc[4 * J + 2 * R], sc[4 * J + 2 * R + 1]));
-                        });
-                        // The 4 lanes of a row (t = 0..3) are adjacent.
-                        mx = max_nan(mx, shfl_xor_f32(mx, 1));
-                        mx = max_nan(mx, shfl_xor_f32(mx, 2));
-                        let m_new = max_nan(m[R], mx);
-                        // A row with no finite score yet subtracts 0: exp2(-inf - 0) = 0, never NaN.
-                        let base = select_f32(m_new == f32::NEG_INFINITY, 0.0, m_new);
-                        alpha[R] = ex2_approx_ftz(m[R] - base);
-                        m[R] = m_new;
-                        let mut sum = 0.0f32;
-                        unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
-                            unroll!(E: usize; 0 1 => {
-                                let pv = ex2_approx_ftz(sc[4 * J + 2 * R + E] - base);
-                                sc[4 * J + 2 * R + E] = pv;
-                                sum += pv;
-                            });
-                        });
-                        l[R] = l[R] * alpha[R] + sum;
-                    });
-                    let oa = o.as_mut();
-                    unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
-                        if (J as u32) < dp / 8 {
-                            unroll!(E: usize; 0 1 2 3 => {
-                                oa[4 * J + E] *= alpha[E / 2];
-                            });
-                        }
-                    });
-
-                    // P in the dtype, as A fragments of 16 keys (columns 16 KK + 2t.. of rows g
-                    // and g + 8, then 16 KK + 8 + 2t..), made before the fence that orders them
-                    // against the products (`opaque`: their computation stays above it).
-                    let mut pa = [[0u32; 4]; 8];
-                    unroll!(KK: usize; 0 1 2 3 4 5 6 7 => {
-                        let f = |i: usize| I::pack2(sc[8 * KK + i], sc[8 * KK + i + 1]);
-                        pa[KK] = opaque([f(0), f(2), f(4), f(6)]);
-                    });
-                    // O += P V: V's 16-key steps are 16 rows (2048 bytes) on in its panels, which
-                    // lie `panel(BN)` apart along the head dim.
-                    wgmma_fence(&mut o);
-                    unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
-                        let db = wgmma_desc(vb + KK * 2048, panel(BN), 1024);
-                        if bf16 {
-                            D::pv::<true>(&mut o, pa[KK as usize], db);
-                        } else {
-                            D::pv::<false>(&mut o, pa[KK as usize], db);
-                        }
-                    });
-                    wgmma_commit();
+            for nb in nb0..wb0 {
+                skip(nb, 0);
+                skip(nb, 1);
+            }
+            if wb0 < wb1 {
+                let mut sc: [f32; 64] = core::mem::zeroed();
+                let (s, ph) = slot(wb0, nb0);
+                mbarrier_wait_parity(sm.full(0, s), ph);
+                if bf16 { issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s)) } else { issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s)) }
+                wgmma_wait::<0>(&mut sc);
+                if leader {
+                    mbarrier_arrive(sm.empty(0, s));
+                }
+                let (_, mut pa) = softmax::<I>(&mut sc, wb0 * BN, &r, &mut m, &mut l);
+                for nb in wb0 + 1..wb1 {
+                    let (s, ph) = slot(nb, nb0);
+                    let (sv, phv) = slot(nb - 1, nb0);
+                    mbarrier_wait_parity(sm.full(0, s), ph);
+                    if bf16 { issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s)) } else { issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s)) }
+                    mbarrier_wait_parity(sm.full(1, sv), phv);
+                    if bf16 { issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv)) } else { issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv)) }
+                    wgmma_wait::<1>(&mut sc);
+                    if leader {
+                        mbarrier_arrive(sm.empty(0, s));
+                    }
+                    let (alpha, next) = softmax::<I>(&mut sc, nb * BN, &r, &mut m, &mut l);
                     wgmma_wait::<0>(&mut o);
+                    if leader {
+                        mbarrier_arrive(sm.empty(1, sv));
+                    }
+                    rescale::<D>(&mut o, alpha);
+                    pa = next;
                 }
-                if tid % 128 == 0 {
-                    mbarrier_arrive(sm.empty(s));
+                let (sv, phv) = slot(wb1 - 1, nb0);
+                mbarrier_wait_parity(sm.full(1, sv), phv);
+                if bf16 { issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv)) } else { issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv)) }
+                wgmma_wait::<0>(&mut o);
+                if leader {
+                    mbarrier_arrive(sm.empty(1, sv));
                 }
-                s += 1;
-                if s == STAGES {
-                    s = 0;
-                    ph ^= 1;
-                }
+            }
+            for nb in wb1..nb1 {
+                skip(nb, 0);
+                skip(nb, 1);
             }
         }
 
@@ -432,7 +520,7 @@ mod device {
                 }
                 let orow = ob + row as u64 * p.o_stride[2];
                 unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
-                    if (J as u32) < dp / 8 && (J as u32) * 8 < p.d {
+                    if (J as u32) < D::DP / 8 && (J as u32) * 8 < p.d {
                         let (x0, x1) = (oa[4 * J + 2 * R] * inv, oa[4 * J + 2 * R + 1] * inv);
                         // A row that sees no key is zeros even where 0 * inf made its sum NaN.
                         let v = I::pack2(select_f32(none, 0.0, x0), select_f32(none, 0.0, x1));
@@ -469,9 +557,9 @@ mod tests {
 
     #[test]
     fn shared_memory_and_params() {
-        // 1 KiB of alignment, Q, two stages of K and V, five barriers: within an H100's 227 KiB.
-        assert_eq!(smem_bytes(64), 1024 + 16384 + 2 * 32768 + 40);
-        assert_eq!(smem_bytes(128), 1024 + 32768 + 2 * 65536 + 40);
+        // 1 KiB of alignment, Q, two stages of K and of V, nine barriers: within an H100's 227 KiB.
+        assert_eq!(smem_bytes(64), 1024 + 16384 + 2 * 32768 + 72);
+        assert_eq!(smem_bytes(128), 1024 + 32768 + 2 * 65536 + 72);
         assert!(smem_bytes(128) <= 227 * 1024);
         assert_eq!(core::mem::size_of::<HopperParams>(), 96);
     }
