@@ -774,24 +774,25 @@ pub unsafe fn wgmma_m64n256k16<const BF16: bool, const TA: u32, const TB: u32>(d
 
 /// [`wgmma_m64n256k16`] for a 64 x 128 tile (`m64n128k16`), A and B both K-major: the scores
 /// `Q K^T` of attention, Q's rows and K's rows each holding their head dim contiguously.
+/// `ACC`: `d += A @ B`; without it `d = A @ B` (the accumulators' values are not read).
 ///
 /// # Safety
 /// As [`wgmma_m64n256k16`].
 #[cfg(target_feature = "sm_90a")]
 #[inline(always)]
-pub unsafe fn wgmma_m64n128k16_ss<const BF16: bool>(d: &mut [f32; 64], da: u64, db: u64) {
+pub unsafe fn wgmma_m64n128k16_ss<const BF16: bool, const ACC: bool>(d: &mut [f32; 64], da: u64, db: u64) {
     // SAFETY: per the function contract.
     unsafe {
         if BF16 {
-            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16";
                 ", {da}, {db}, p, 1, 1, 0, 0; }}";
-                da = in(reg64) da, db = in(reg64) db, options(nostack));
+                da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
         } else {
-            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, 1, 0;",
+            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16";
                 ", {da}, {db}, p, 1, 1, 0, 0; }}";
-                da = in(reg64) da, db = in(reg64) db, options(nostack));
+                da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
         }
     }
 }

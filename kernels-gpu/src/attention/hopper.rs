@@ -303,15 +303,19 @@ mod device {
     /// The whole consumer warpgroup; Q and the tile complete (their barriers waited for).
     #[inline(always)]
     unsafe fn issue_s<const BF16: bool>(sc: &mut [f32; 64], sm: Smem, cw: u32, kb: u32) {
-        // SAFETY: all-zero bits are 0.0; the rest per the contract.
+        // SAFETY: per the contract.
         unsafe {
-            *sc = core::mem::zeroed();
             wgmma_fence(sc);
             unroll!(KK: u32; 0 1 2 3 4 5 6 7 => {
                 if KK < sm.dp / 16 {
                     let da = wgmma_desc(sm.q + (KK / 4) * panel(BM) + cw * panel(64) + (KK % 4) * 32, 16, 1024);
                     let db = wgmma_desc(kb + (KK / 4) * panel(BN) + (KK % 4) * 32, 16, 1024);
-                    wgmma_m64n128k16_ss::<BF16>(sc, da, db);
+                    // The first step overwrites the accumulators (no zeroing pass).
+                    if KK == 0 {
+                        wgmma_m64n128k16_ss::<BF16, false>(sc, da, db);
+                    } else {
+                        wgmma_m64n128k16_ss::<BF16, true>(sc, da, db);
+                    }
                 }
             });
             wgmma_commit();
@@ -335,25 +339,59 @@ mod device {
         }
     }
 
-    /// The scores of key block `k0` in `sc` (complete) to weights: scaled to log2 units, masked
-    /// where the block straddles an edge of some row's keys, the running max `m` and sum `l`
+    /// The scores of key block `k0` in `sc` (complete) to weights: masked where the block
+    /// straddles an edge of some row's keys, in log2 units, the running max `m` and sum `l`
     /// updated (online softmax). Returns O's rescale factor per row (R = 0: row g, 1: g + 8)
     /// and P rounded to the dtype as the A fragments of 16 keys each (columns 16 KK + 2t.. of
     /// rows g and g + 8, then 16 KK + 8 + 2t..), passed through `opaque` so that their
     /// computation stays above the fence of the product that reads them.
+    ///
+    /// A positive scale is folded into the exponent's fma (`2^(s c - m)`, the max taken over the
+    /// raw scores: `c > 0` keeps their order); blocks inside every row's keys skip the mask.
     #[inline(always)]
     fn softmax<I: AttnType>(sc: &mut [f32; 64], k0: u32, r: &Rows, m: &mut [f32; 2], l: &mut [f32; 2]) -> ([f32; 2], [[u32; 4]; 8]) {
         let masked = k0 < r.all.0 || k0 + BN > r.all.1;
+        let alpha = if r.sl2 > 0.0 {
+            if masked {
+                mask(sc, k0, r);
+            }
+            online::<true>(sc, r.sl2, m, l)
+        } else {
+            // A scale of 0 or below: scaled first, so that a masked score is -inf after it.
+            unroll!(X: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+                32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 => {
+                sc[X] *= r.sl2;
+            });
+            if masked {
+                mask(sc, k0, r);
+            }
+            online::<false>(sc, 1.0, m, l)
+        };
+        let mut pa = [[0u32; 4]; 8];
+        unroll!(KK: usize; 0 1 2 3 4 5 6 7 => {
+            let f = |i: usize| I::pack2(sc[8 * KK + i], sc[8 * KK + i + 1]);
+            pa[KK] = opaque([f(0), f(2), f(4), f(6)]);
+        });
+        (alpha, pa)
+    }
+
+    /// The scores of keys a row does not see set to -inf.
+    #[inline(always)]
+    fn mask(sc: &mut [f32; 64], k0: u32, r: &Rows) {
         unroll!(J: u32; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
             unroll!(E: u32; 0 1 2 3 => {
                 let i = (4 * J + E) as usize;
-                let x = sc[i] * r.sl2;
                 let key = k0 + 8 * J + 2 * r.t + E % 2;
                 let (from, to) = r.seen[(E / 2) as usize];
-                let hidden = masked && !(from <= key && key < to);
-                sc[i] = select_f32(hidden, f32::NEG_INFINITY, x);
+                sc[i] = select_f32(!(from <= key && key < to), f32::NEG_INFINITY, sc[i]);
             });
         });
+    }
+
+    /// The online softmax of [`softmax`] on scores to be multiplied by `c` (`FOLD`, `c > 0`) or
+    /// already scaled (`c` unused): the weights `2^(s c - m)` replace the scores.
+    #[inline(always)]
+    fn online<const FOLD: bool>(sc: &mut [f32; 64], c: f32, m: &mut [f32; 2], l: &mut [f32; 2]) -> [f32; 2] {
         let mut alpha = [0.0f32; 2];
         unroll!(R: usize; 0 1 => {
             let mut mx = f32::NEG_INFINITY;
@@ -363,7 +401,7 @@ mod device {
             // The 4 lanes of a row (t = 0..3) are adjacent.
             mx = max_nan(mx, shfl_xor_f32(mx, 1));
             mx = max_nan(mx, shfl_xor_f32(mx, 2));
-            let m_new = max_nan(m[R], mx);
+            let m_new = max_nan(m[R], if FOLD { mx * c } else { mx });
             // A row with no finite score yet subtracts 0: exp2(-inf - 0) = 0, never NaN.
             let base = select_f32(m_new == f32::NEG_INFINITY, 0.0, m_new);
             alpha[R] = ex2_approx_ftz(m[R] - base);
@@ -371,19 +409,15 @@ mod device {
             let mut sum = 0.0f32;
             unroll!(J: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 => {
                 unroll!(E: usize; 0 1 => {
-                    let pv = ex2_approx_ftz(sc[4 * J + 2 * R + E] - base);
+                    let s = sc[4 * J + 2 * R + E];
+                    let pv = ex2_approx_ftz(if FOLD { crate::math::fma(s, c, -base) } else { s - base });
                     sc[4 * J + 2 * R + E] = pv;
                     sum += pv;
                 });
             });
             l[R] = l[R] * alpha[R] + sum;
         });
-        let mut pa = [[0u32; 4]; 8];
-        unroll!(KK: usize; 0 1 2 3 4 5 6 7 => {
-            let f = |i: usize| I::pack2(sc[8 * KK + i], sc[8 * KK + i + 1]);
-            pa[KK] = opaque([f(0), f(2), f(4), f(6)]);
-        });
-        (alpha, pa)
+        alpha
     }
 
     /// O's rows scaled by `alpha` (per row, as [`softmax`] returns it).

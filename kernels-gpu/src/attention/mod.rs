@@ -359,19 +359,28 @@ mod device {
                 }
             });
 
-            // Scale to log2 units; mask where the block straddles an edge of some row's keys.
+            // Scale to log2 units; mask where the block straddles an edge of some row's keys (a
+            // uniform branch: the blocks inside skip the per-element compares).
             let masked = k0 < all_from || k0 + bn > all_to;
             unroll!(J: u32; 0 1 2 3 4 5 6 7 => {
                 if J < bn / 8 {
                     unroll!(E: u32; 0 1 2 3 => {
-                        let x = s[J as usize][E as usize] * sl2;
-                        let key = k0 + 8 * J + 2 * t + E % 2;
-                        let (from, to) = seen[(E / 2) as usize];
-                        let hidden = masked && !(from <= key && key < to);
-                        s[J as usize][E as usize] = prim::select_f32(hidden, f32::NEG_INFINITY, x);
+                        s[J as usize][E as usize] *= sl2;
                     });
                 }
             });
+            if masked {
+                unroll!(J: u32; 0 1 2 3 4 5 6 7 => {
+                    if J < bn / 8 {
+                        unroll!(E: u32; 0 1 2 3 => {
+                            let key = k0 + 8 * J + 2 * t + E % 2;
+                            let (from, to) = seen[(E / 2) as usize];
+                            let x = s[J as usize][E as usize];
+                            s[J as usize][E as usize] = prim::select_f32(!(from <= key && key < to), f32::NEG_INFINITY, x);
+                        });
+                    }
+                });
+            }
 
             // The online softmax, per row of this thread (R = 0: row g, 1: row g + 8).
             let mut alpha = [0.0f32; 2];
