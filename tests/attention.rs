@@ -338,9 +338,13 @@ fn shapes(dev: &Device) -> Result<(), String> {
             let hq = if d * sq * sk > 64 * 200 * 200 { hq.min(4) } else { hq };
             let hkv = hkv.min(hq);
             let mut cs = Case::new(100 + n, dt, layout, (2, hq, hkv, sq, sk, d), causal);
-            if si == 3 {
-                cs.scale = Some(0.3);
-            }
+            // Scales other than 1/sqrt(D): positive, negative and 0 (every weight equal).
+            cs.scale = match si {
+                3 => Some(0.3),
+                4 => Some(-0.4),
+                5 => Some(0.0),
+                _ => None,
+            };
             cs.check(dev)?;
             n += 1;
         }

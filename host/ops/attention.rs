@@ -316,7 +316,14 @@ fn uses_hopper(dev: &Device, dtype: DType, dims: &Dims, dp: u32) -> bool {
 /// Launches the Hopper forward: the tensor maps of Q, K and V (4-D, `(d, row, head, batch)`
 /// from `params`' strides) in a small buffer written just before the launch, stream-ordered,
 /// then [`Plan::batches`]-like pieces of the batch so that the grid stays below 2^31.
-fn launch_hopper(op: &'static str, dev: &Device, dtype: DType, params: &AttnParams, dims: &Dims, dp: u32) -> Result<()> {
+fn launch_hopper(
+    op: &'static str,
+    dev: &Device,
+    dtype: DType,
+    params: &AttnParams,
+    dims: &Dims,
+    dp: u32,
+) -> Result<()> {
     let kernel = hopper_kernel(dtype, dp)
         .ok_or_else(|| Error::InvalidArgument { op, message: format!("internal: no Hopper kernel for {dp}") })?;
     let map = |ptr: *const u16, (rows, heads): (usize, usize), st: [u64; 3], box_rows: u32| {

@@ -79,6 +79,28 @@ pub fn sync_threads() {
     unsafe { nvptx::_syncthreads() }
 }
 
+/// Waits at named barrier `id` (1-15; 0 is [`sync_threads`]'s) until `count` threads (a
+/// multiple of 32) have reached it by this or [`named_barrier_arrive`] (`bar.sync id, count`).
+///
+/// # Safety
+/// Whole warps call it; exactly `count` threads meet at each use of the barrier.
+#[inline(always)]
+pub unsafe fn named_barrier_sync<const ID: u32>(count: u32) {
+    // SAFETY: per the function contract.
+    unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = in(reg32) count, options(nostack, preserves_flags)) };
+}
+
+/// Counts this warp at named barrier `id` without waiting (`bar.arrive id, count`): the signal
+/// that lets the threads waiting there in [`named_barrier_sync`] go on.
+///
+/// # Safety
+/// As [`named_barrier_sync`].
+#[inline(always)]
+pub unsafe fn named_barrier_arrive<const ID: u32>(count: u32) {
+    // SAFETY: per the function contract.
+    unsafe { asm!("bar.arrive {id}, {n};", id = const ID, n = in(reg32) count, options(nostack, preserves_flags)) };
+}
+
 /// Butterfly exchange across the full warp: lane `l` gets lane `l ^ lane_mask`'s value. All 32
 /// lanes must execute it (mask 0xffffffff).
 #[inline(always)]

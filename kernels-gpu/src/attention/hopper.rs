@@ -4,22 +4,22 @@
 //!
 //! # The design
 //! - A block of 384 threads takes [`BM`] = 128 query rows of one (batch, head). Warpgroup 0 is
-//!   the producer: one thread loads Q once and streams the key blocks ([`BN`] = 128 keys of K
-//!   and of V) into a ring of [`STAGES`] shared-memory stages with the copy engine (TMA, 4-D
-//!   tensor maps over `[batch][head][row][d]` in either layout, 128-byte swizzle, 64 columns of
-//!   the head dim a box), each stage guarded by a "full" and an "empty" mbarrier. It hands its
-//!   registers to the consumers (`setmaxnreg`).
+//!   the producer: one thread loads Q once and streams the key blocks ([`BN`] = 128 keys) into
+//!   two rings of [`STAGES`] shared-memory stages, one of K tiles and one of V tiles, with the
+//!   copy engine (TMA, 4-D tensor maps over `[batch][head][row][d]` in either layout, 128-byte
+//!   swizzle, 64 columns of the head dim a box), each stage guarded by a "full" and an "empty"
+//!   mbarrier. It hands its registers to the consumers (`setmaxnreg`).
 //! - Warpgroups 1 and 2 are the consumers, 64 query rows each. Per key block: `S = Q K^T` by
 //!   `wgmma.m64n128k16` with both operands in shared memory (K-major: Q's and K's rows hold
 //!   their head dim contiguously), the mask and the online softmax on the 64 f32 accumulators of
 //!   S as in [`super`], P rounded to the input dtype in registers (the accumulator layout of S is
 //!   the A-fragment layout `wgmma` takes from registers), then `O += P V` by
 //!   `wgmma.m64n{64,128}k16` with A from registers and V read N-major (transposed by the tensor
-//!   cores, as stored). The two consumers interleave on the SM: one's softmax runs while the
-//!   other's products do.
+//!   cores, as stored). The softmax overlaps the products within a warpgroup (the next block's
+//!   scores and the previous block's `P V` are in flight during it) and between the two (they
+//!   take turns at the tensor cores): see `consume`.
 //! - Out-of-range rows, keys and head-dim columns are zeros from the copy engine; keys beyond
-//!   `Sk` are masked like any other unseen key. A consumer skips the products of a key block
-//!   that none of its rows sees (but still waits for it and releases it).
+//!   `Sk` are masked like any other unseen key.
 
 /// Query rows per block: two consumer warpgroups of 64.
 pub const BM: u32 = 128;
@@ -98,9 +98,14 @@ pub const fn hopper_kernel(dtype: crate::DType, dp: u32) -> Option<crate::kernel
 /// Every kernel of this file (for the test against the PTX).
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
-    [attention_fwd_wgmma_d64_bf16, attention_fwd_wgmma_d128_bf16, attention_fwd_wgmma_d64_f16, attention_fwd_wgmma_d128_f16]
-        .into_iter()
-        .map(|k| k.entry())
+    [
+        attention_fwd_wgmma_d64_bf16,
+        attention_fwd_wgmma_d128_bf16,
+        attention_fwd_wgmma_d64_f16,
+        attention_fwd_wgmma_d128_f16,
+    ]
+    .into_iter()
+    .map(|k| k.entry())
 }
 
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
@@ -270,7 +275,12 @@ mod device {
             }
             mbarrier_arrive_expect_tx(sm.q_bar(), (dp / 64) * panel(BM));
             for c in 0..dp / 64 {
-                tma_load_4d(sm.q + c * panel(BM), maps[0], sm.q_bar(), ((64 * c) as i32, q0 as i32, h as i32, b as i32));
+                tma_load_4d(
+                    sm.q + c * panel(BM),
+                    maps[0],
+                    sm.q_bar(),
+                    ((64 * c) as i32, q0 as i32, h as i32, b as i32),
+                );
             }
             for nb in nb0..nb1 {
                 let (s, ph) = slot(nb, nb0);
@@ -349,7 +359,13 @@ mod device {
     /// A positive scale is folded into the exponent's fma (`2^(s c - m)`, the max taken over the
     /// raw scores: `c > 0` keeps their order); blocks inside every row's keys skip the mask.
     #[inline(always)]
-    fn softmax<I: AttnType>(sc: &mut [f32; 64], k0: u32, r: &Rows, m: &mut [f32; 2], l: &mut [f32; 2]) -> ([f32; 2], [[u32; 4]; 8]) {
+    fn softmax<I: AttnType>(
+        sc: &mut [f32; 64],
+        k0: u32,
+        r: &Rows,
+        m: &mut [f32; 2],
+        l: &mut [f32; 2],
+    ) -> ([f32; 2], [[u32; 4]; 8]) {
         let masked = k0 < r.all.0 || k0 + BN > r.all.1;
         let alpha = if r.sl2 > 0.0 {
             if masked {
@@ -433,16 +449,59 @@ mod device {
         });
     }
 
+    /// Gives the tensor cores to the other consumer warpgroup ([`consume`]'s ping-pong).
+    ///
+    /// # Safety
+    /// Both consumer warpgroups, in the pattern `consume` keeps.
+    #[inline(always)]
+    unsafe fn hand_over(cw: u32) {
+        // SAFETY: per the contract: barrier 1 is consumer 0's turn, 2 consumer 1's.
+        unsafe {
+            if cw == 0 {
+                named_barrier_arrive::<2>(256);
+            } else {
+                named_barrier_arrive::<1>(256);
+            }
+        }
+    }
+
+    /// Waits for this consumer warpgroup's turn at the tensor cores.
+    ///
+    /// # Safety
+    /// As [`hand_over`].
+    #[inline(always)]
+    unsafe fn take_turn(cw: u32) {
+        // SAFETY: per the contract.
+        unsafe {
+            if cw == 0 {
+                named_barrier_sync::<1>(256);
+            } else {
+                named_barrier_sync::<2>(256);
+            }
+        }
+    }
+
     /// A consumer warpgroup: its 64 query rows against key blocks `nb0..nb1`, then O and `lse`.
-    /// Within its own blocks `wb0..wb1` the products overlap the softmax: block `j`'s scores are
-    /// issued, then the previous block's `O += P V`; the softmax of block `j` runs while that
-    /// product does (FlashAttention-3's intra-warpgroup pipelining). K's stage is released once
-    /// its scores are done, V's once its product is.
+    /// The products overlap the softmax twice over:
+    /// - within the warpgroup, block `j`'s scores are issued, then the previous block's
+    ///   `O += P V`, and the softmax of block `j` runs while that product does (FlashAttention-3's
+    ///   intra-warpgroup pipelining); K's stage is released once its scores are done, V's once
+    ///   its product is;
+    /// - between the two warpgroups (ping-pong): each issues its products only in its turn
+    ///   (named barriers 1 and 2, consumer 0 first) and hands the turn over right after, so one's
+    ///   softmax runs while the other's products do. Both walk every block of the tile (a row
+    ///   that sees none of a block's keys gets weights of 0), so that their turns pair up.
     ///
     /// # Safety
     /// As [`fwd`]'s, for a whole consumer warpgroup.
     #[inline(always)]
-    unsafe fn consume<I: AttnType, D: Dim>(p: &HopperParams, sm: Smem, (h, b): (u32, u32), q0: u32, (nb0, nb1): (u32, u32)) {
+    unsafe fn consume<I: AttnType, D: Dim>(
+        p: &HopperParams,
+        sm: Smem,
+        (h, b): (u32, u32),
+        q0: u32,
+        (nb0, nb1): (u32, u32),
+    ) {
         // SAFETY: the whole warpgroup.
         unsafe { setmaxnreg::<true, 232>() };
         let bf16 = I::DTYPE == crate::DType::BF16;
@@ -453,13 +512,8 @@ mod device {
         let (sq, sk) = (p.seq_q, p.seq_k);
         let row0 = q0 + 64 * cw;
         let rows = [row0 + 16 * warp + g, row0 + 16 * warp + g + 8];
-        // This warpgroup's key blocks, and the keys all its rows see (blocks inside need no mask).
+        // The keys all rows of this warpgroup see (blocks inside need no mask).
         let wg_last = (row0 + 63).min(sq.saturating_sub(1));
-        // (Inside nb0..nb1 when not empty; (nb0, nb0) when empty, so that every block is skipped.)
-        let (wb0, wb1) = match block_range(row0, wg_last, p.lo, p.hi, sk, BN) {
-            (w0, w1) if row0 < sq && w0 < w1 => (w0, w1),
-            _ => (nb0, nb0),
-        };
         let r = Rows {
             seen: [key_range(rows[0], p.lo, p.hi, sk), key_range(rows[1], p.lo, p.hi, sk)],
             all: (key_range(wg_last, p.lo, p.hi, sk).0, key_range(row0, p.lo, p.hi, sk).1),
@@ -467,18 +521,6 @@ mod device {
             sl2: p.scale_log2,
         };
         let leader = tid % 128 == 0;
-        // Waits for block nb's tile of `ring` and releases it unused.
-        let skip = |nb: u32, ring: u32| {
-            let (s, ph) = slot(nb, nb0);
-            // SAFETY: the barriers are initialised; an arrive after the wait keeps this
-            // warpgroup within one phase of the other's.
-            unsafe {
-                mbarrier_wait_parity(sm.full(ring, s), ph);
-                if leader {
-                    mbarrier_arrive(sm.empty(ring, s));
-                }
-            }
-        };
 
         let mut o = D::zero();
         let mut m = [f32::NEG_INFINITY; 2];
@@ -486,30 +528,47 @@ mod device {
         // SAFETY: Q's panels and a tile are read only after their barrier's phase completed (the
         // copies' bytes are visible to the tensor cores); a tile is released only after the
         // products reading it completed; P's registers and O are left alone while a product
-        // reading them is in flight.
+        // reading them is in flight. Each warpgroup takes its turn n + 1 times and hands it over
+        // as often (consumer 1 once more, first, which leaves one hand-over unmatched at exit).
         unsafe {
-            mbarrier_wait_parity(sm.q_bar(), 0);
-            for nb in nb0..wb0 {
-                skip(nb, 0);
-                skip(nb, 1);
+            if cw == 1 {
+                hand_over(cw);
             }
-            if wb0 < wb1 {
+            mbarrier_wait_parity(sm.q_bar(), 0);
+            if nb0 < nb1 {
+                // SAFETY: all-zero bits are 0.0.
                 let mut sc: [f32; 64] = core::mem::zeroed();
-                let (s, ph) = slot(wb0, nb0);
+                let (s, ph) = slot(nb0, nb0);
                 mbarrier_wait_parity(sm.full(0, s), ph);
-                if bf16 { issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s)) } else { issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s)) }
+                take_turn(cw);
+                if bf16 {
+                    issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s))
+                } else {
+                    issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s))
+                }
+                hand_over(cw);
                 wgmma_wait::<0>(&mut sc);
                 if leader {
                     mbarrier_arrive(sm.empty(0, s));
                 }
-                let (_, mut pa) = softmax::<I>(&mut sc, wb0 * BN, &r, &mut m, &mut l);
-                for nb in wb0 + 1..wb1 {
+                let (_, mut pa) = softmax::<I>(&mut sc, nb0 * BN, &r, &mut m, &mut l);
+                for nb in nb0 + 1..nb1 {
                     let (s, ph) = slot(nb, nb0);
                     let (sv, phv) = slot(nb - 1, nb0);
                     mbarrier_wait_parity(sm.full(0, s), ph);
-                    if bf16 { issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s)) } else { issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s)) }
                     mbarrier_wait_parity(sm.full(1, sv), phv);
-                    if bf16 { issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv)) } else { issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv)) }
+                    take_turn(cw);
+                    if bf16 {
+                        issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s))
+                    } else {
+                        issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s))
+                    }
+                    if bf16 {
+                        issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv))
+                    } else {
+                        issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv))
+                    }
+                    hand_over(cw);
                     wgmma_wait::<1>(&mut sc);
                     if leader {
                         mbarrier_arrive(sm.empty(0, s));
@@ -522,17 +581,19 @@ mod device {
                     rescale::<D>(&mut o, alpha);
                     pa = next;
                 }
-                let (sv, phv) = slot(wb1 - 1, nb0);
+                let (sv, phv) = slot(nb1 - 1, nb0);
                 mbarrier_wait_parity(sm.full(1, sv), phv);
-                if bf16 { issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv)) } else { issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv)) }
+                take_turn(cw);
+                if bf16 {
+                    issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv))
+                } else {
+                    issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv))
+                }
+                hand_over(cw);
                 wgmma_wait::<0>(&mut o);
                 if leader {
                     mbarrier_arrive(sm.empty(1, sv));
                 }
-            }
-            for nb in wb1..nb1 {
-                skip(nb, 0);
-                skip(nb, 1);
             }
         }
 
