@@ -57,6 +57,10 @@ pub type EmbeddingBwdArgs<T> = (*const T, *const u64, *const u64, *mut T, u64, u
 /// The most keys a block sorts in shared memory (16 KiB), with half as many threads.
 pub const TILE: u64 = 2048;
 
+/// Gradient rows the backward loads before adding them (in order): the loads of a row's
+/// occurrences overlap in batches of this many.
+pub const BATCH: usize = 8;
+
 /// The key marking an index that no row receives (out of range, padding) and the padding past
 /// `n`: above every valid key, since rows are below `2^32 - 1`.
 pub const DROPPED: u64 = u64::MAX;
@@ -290,9 +294,9 @@ mod device {
                     let load = |p: usize| T::unpack(ld_global_nc_v4(g.add(p * du + col) as *const u32));
                     let mut acc = [0.0f32; 8];
                     let mut q = s0;
-                    // Four rows in flight, added in order.
-                    while q + 4 <= s1 {
-                        let ps = [0, 1, 2, 3].map(|o| pos(*keys.add((q + o) as usize)));
+                    // BATCH rows in flight (a frequent token's row sums hundreds), added in order.
+                    while q + BATCH as u64 <= s1 {
+                        let ps: [usize; BATCH] = core::array::from_fn(|o| pos(*keys.add(q as usize + o)));
                         let rows = ps.map(load);
                         for row in &rows {
                             for_lanes::<T>(
@@ -300,7 +304,7 @@ mod device {
                                 |l| acc[l] += row[l],
                             );
                         }
-                        q += 4;
+                        q += BATCH as u64;
                     }
                     while q < s1 {
                         let row = load(pos(*keys.add(q as usize)));
