@@ -5,8 +5,8 @@
     python3 benches/torch_elementwise.py torch.json
     python3 scripts/compare.py ours.json torch.json [REFERENCE.json] [--json RUN.json]
 
-(Likewise for the `rows`, `optim` and `rope` benches with benches/torch_rows.py, torch_optim.py and
-torch_rope.py.)
+(Likewise for the `rows`, `optim`, `rope` and `embedding` benches with benches/torch_rows.py,
+torch_optim.py, torch_rope.py and torch_embedding.py.)
 
 Prints a markdown table joined on (op, dtype, n, direction): our GB/s, PyTorch's GB/s, the ratio
 by time (PyTorch's median time over ours: above 1 means we are faster), and our GB/s as a

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
+pub mod embedding;
 pub mod gemm;
 pub mod gemm_tc;
 pub(crate) mod gemm_wgmma;
@@ -25,6 +26,9 @@ pub use attention::{
 };
 pub use cross_entropy::*;
 pub use elementwise::*;
+pub use embedding::{
+    MAX_BACKWARD_INDICES, embedding, embedding_backward, embedding_backward_out, embedding_checked, embedding_out,
+};
 pub use gemm::*;
 pub use gemm_tc::{Epilogue, gemm_fused};
 pub use glu::*;
@@ -37,8 +41,8 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
-/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, init, the optimizer, the
-/// casts and the math probe), with the parameter count of the signature the host launches it
+/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, init,
+/// the optimizer, the casts and the math probe), with the parameter count of the signature the host launches it
 /// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
 /// derives its list from its declaration's typed handles.
 pub fn all_kernels() -> Vec<(String, usize)> {
@@ -58,6 +62,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::init::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::embedding::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v

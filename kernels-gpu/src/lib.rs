@@ -43,6 +43,7 @@ pub mod cast;
 pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
+pub mod embedding;
 pub mod fastmath;
 pub mod gemm;
 pub mod gemm_epilogue;

@@ -1488,3 +1488,103 @@ def rope_tables(max_pos: int, rotary_dim: int, base: float = 10000.0, device=Non
     angle = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
     cos, sin = angle.cos().float(), angle.sin().float()
     return (cos, sin) if device is None else (cos.to(device), sin.to(device))
+
+
+# --- embedding ----------------------------------------------------------------------------------
+#
+# embedding: (indices int64 of any shape, weight [V, D], padding_idx) -> weight's rows, shape
+# indices.shape + [D], a copy. embedding_backward: (grad, indices, num_weights, padding_idx) ->
+# [num_weights, D], each row the sum of the gradient rows of its occurrences, deterministic (a
+# sort of the indices, then f32 sums in increasing position). padding_idx as aten's: a row in
+# [0, V) that gets no gradient, or -1 for none. An index outside [0, V) cannot raise PyTorch's
+# device-side assertion here: the forward gives a row of zeros and the backward drops it.
+
+
+def _emb_indices(op: str, indices: Tensor, like: Tensor) -> Tensor:
+    return _check(op, "indices", indices, like=like, dtype=torch.int64)
+
+
+@_custom_op("embedding", "(Tensor indices, Tensor weight, int padding_idx=-1) -> Tensor")
+def embedding_op(indices: Tensor, weight: Tensor, padding_idx: int = -1) -> Tensor:
+    op = "embedding"
+    weight = _check(op, "weight", weight)
+    idx = _emb_indices(op, indices, weight)
+    if weight.dim() != 2:
+        raise ValueError(f"{NS}::{op}: weight must be [V, D], got {list(weight.shape)}")
+    v, d = weight.shape
+    out = _new(list(idx.shape) + [d], weight)
+    if out.numel():
+        dev, stream, dt = _where(weight)
+        _native.embedding_fwd(dev, stream, dt, weight.data_ptr(), idx.data_ptr(), out.data_ptr(), v, d, idx.numel())
+    return out
+
+
+@embedding_op.register_fake
+def _(indices, weight, padding_idx=-1):
+    return weight.new_empty(list(indices.shape) + [weight.shape[1]])
+
+
+@_custom_op("embedding_backward", "(Tensor grad, Tensor indices, int num_weights, int padding_idx=-1) -> Tensor")
+def embedding_backward_op(grad: Tensor, indices: Tensor, num_weights: int, padding_idx: int = -1) -> Tensor:
+    op = "embedding_backward"
+    grad = _check(op, "grad", grad)
+    idx = _emb_indices(op, indices, grad)
+    if grad.dim() != idx.dim() + 1 or grad.shape[:-1] != idx.shape:
+        raise ValueError(
+            f"{NS}::{op}: grad must be the indices' shape followed by D, got {list(grad.shape)} for indices "
+            f"{list(idx.shape)}"
+        )
+    d = grad.shape[-1]
+    if idx.numel() == 0:
+        return grad.new_zeros([num_weights, d])
+    gw = _new([num_weights, d], grad)
+    if gw.numel():
+        dev, stream, dt = _where(grad)
+        pad = int(padding_idx) if padding_idx >= 0 else None
+        _native.embedding_bwd(
+            dev, stream, dt, grad.data_ptr(), idx.data_ptr(), gw.data_ptr(), num_weights, d, idx.numel(), pad
+        )
+    return gw
+
+
+@embedding_backward_op.register_fake
+def _(grad, indices, num_weights, padding_idx=-1):
+    return grad.new_empty([num_weights, grad.shape[-1]])
+
+
+def _emb_setup(ctx, inputs, output):
+    indices, weight, padding_idx = inputs
+    ctx.save_for_backward(indices)
+    ctx.opts = (weight.shape[0], padding_idx)
+
+
+def _emb_backward(ctx, grad):
+    (indices,) = ctx.saved_tensors
+    return None, _bwd(ctx, "embedding_backward")(grad, indices, *ctx.opts), None
+
+
+_autograd(embedding_op, "embedding", _emb_backward, _emb_setup)
+
+
+def embedding(input: Tensor, weight: Tensor, padding_idx: Optional[int] = None) -> Tensor:
+    """``F.embedding(input, weight, padding_idx)``: the rows of ``weight`` (``[V, D]``, float32,
+    float16 or bfloat16) for the int64 indices ``input`` (any shape), with autograd; the output has
+    shape ``input.shape + [D]`` and the weight's bits.
+
+    ``padding_idx`` (in ``[-V, V)``, negative from the end) gets no gradient, as PyTorch's. The
+    backward is deterministic: each row's gradient is the f32 sum of its occurrences' gradient
+    rows in increasing position, rounded once. An index outside ``[0, V)`` is not checked (that
+    would wait for the GPU): its output row is zeros and its gradient goes nowhere, where
+    PyTorch stops with a device-side assertion. No ``max_norm``, ``scale_grad_by_freq`` or
+    ``sparse`` (``kernels_torch.nn.Embedding`` runs PyTorch's for those)."""
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"{NS}::embedding: weight must be a [V, D] tensor, got {getattr(weight, 'shape', weight)}")
+    v = weight.shape[0]
+    if padding_idx is None:
+        p = -1
+    elif -v <= padding_idx < v:
+        p = padding_idx + v if padding_idx < 0 else padding_idx
+    else:
+        raise ValueError(f"{NS}::embedding: padding_idx must be in [-{v}, {v}), got {padding_idx}")
+    # The indices lead: a plain tensor (the weight is usually a Parameter) takes the eager path.
+    return _call("embedding", input, weight, int(p))

@@ -17,6 +17,7 @@ from ._ops import _DTYPE_CODES
 
 __all__ = [
     "CrossEntropyLoss",
+    "Embedding",
     "FusedBiasAct",
     "GELU",
     "GeGLU",
@@ -342,3 +343,25 @@ class RotaryEmbedding(torch.nn.Module):
         if _ours(x) and self.cos.device == x.device:
             return _ops.rope(x, self.cos, self.sin, layout=self.layout, interleaved=self.interleaved, offset=offset)
         return rope_reference(x, self.cos, self.sin, self.layout, self.interleaved, offset)
+
+
+class Embedding(torch.nn.Embedding):
+    """``torch.nn.Embedding`` (same constructor, ``weight`` and ``state_dict``) running
+    ``kernels_torch.embedding`` for int64 indices into a CUDA weight of f32, f16 or bf16, with the
+    deterministic backward; PyTorch's own implementation for CPU tensors, other index dtypes,
+    ``max_norm``, ``scale_grad_by_freq`` and ``sparse=True``. Indices outside ``[0, V)`` are not
+    checked on the kernels' path (see ``kernels_torch.embedding``)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        w = self.weight
+        if (
+            _ours(w)
+            and isinstance(input, Tensor)
+            and input.device == w.device
+            and input.dtype == torch.int64
+            and self.max_norm is None
+            and not self.scale_grad_by_freq
+            and not self.sparse
+        ):
+            return _ops.embedding(input, w, self.padding_idx)
+        return super().forward(input)

@@ -1013,6 +1013,56 @@ fn rope(
     })
 }
 
+/// Rows of `weight` (`[v, d]`) for the `n` int64 `idx` into `out` (`[n, d]`); an index outside
+/// `[0, v)` gives a row of zeros.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn embedding_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    weight: u64,
+    idx: u64,
+    out: u64,
+    v: usize,
+    d: usize,
+    n: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    // SAFETY: see `unary_fwd_with`; idx holds `n` int64.
+    let (weight, idx, mut out) = unsafe {
+        (c.t(weight, &[v, d])?, IndexTensor::from_device_ptr(&c.dev, idx, &[n]).map_err(to_py)?, c.t(out, &[n, d])?)
+    };
+    c.run(py, || ops::embedding_out(&weight, &idx, None, &mut out))
+}
+
+/// The weight's gradient `gw` (`[v, d]`) of `embedding_fwd` from the output's `grad` (`[n, d]`)
+/// and the `n` int64 `idx`: the sum of the gradient rows of each index, deterministic; no
+/// gradient for `padding_idx` (a row in `[0, v)`, or none).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn embedding_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    grad: u64,
+    idx: u64,
+    gw: u64,
+    v: usize,
+    d: usize,
+    n: usize,
+    padding_idx: Option<i64>,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    // SAFETY: see `embedding_fwd`.
+    let (grad, idx, mut gw) = unsafe {
+        (c.t(grad, &[n, d])?, IndexTensor::from_device_ptr(&c.dev, idx, &[n]).map_err(to_py)?, c.t(gw, &[v, d])?)
+    };
+    c.run(py, || ops::embedding_backward_out(&grad, &idx, padding_idx, &mut gw))
+}
+
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
 /// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
 #[pyfunction]
@@ -1089,5 +1139,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(attention_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(rope, m)?)?;
+    m.add_function(wrap_pyfunction!(embedding_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(embedding_bwd, m)?)?;
     Ok(())
 }

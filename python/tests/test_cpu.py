@@ -132,6 +132,20 @@ def test_linear_fake_implementations_and_autograd_wiring_on_meta_tensors():
         assert y.dtype == pre.dtype == dt and pre.shape == (3, 5, 4)
 
 
+def test_embedding_module_falls_back_to_pytorch_on_cpu():
+    ref = torch.nn.Embedding(12, 5, padding_idx=2, dtype=torch.float64)
+    ours = knn.Embedding(12, 5, padding_idx=2, dtype=torch.float64)
+    assert isinstance(ours, torch.nn.Embedding)
+    ours.load_state_dict(ref.state_dict())
+    assert set(ours.state_dict()) == {"weight"}
+    idx = torch.tensor([[0, 2, 11], [2, 2, 7]])
+    assert torch.equal(ours(idx), ref(idx))
+    ours(idx).sum().backward()
+    ref(idx).sum().backward()
+    assert torch.equal(ours.weight.grad, ref.weight.grad)
+    assert torch.equal(ours.weight.grad[2], torch.zeros(5, dtype=torch.float64))
+
+
 def test_modules_keep_pytorch_state_dicts():
     ref = torch.nn.LayerNorm(16)
     ours = knn.LayerNorm(16)
@@ -170,12 +184,15 @@ def test_schemas():
     activations = [n for n in kt.ACTIVATIONS if n != "identity"]
     assert {"relu", "gelu", "elu", "selu", "celu", "hardswish", "hardsigmoid", "softsign"} <= set(activations)
     for name in activations + ["scale_bias_act", "softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy",
-                               "linear"]:  # fmt: skip
+                               "linear", "embedding"]:  # fmt: skip
         assert hasattr(ops, name) and hasattr(ops, name + "_backward"), name
     assert str(ops.linear.default._schema) == (
         'rustkernels::linear(Tensor x, Tensor weight, Tensor? bias=None, str activation="identity") -> Tensor'
     )
     assert hasattr(ops, "linear_train")
+    assert str(ops.embedding.default._schema) == (
+        "rustkernels::embedding(Tensor indices, Tensor weight, int padding_idx=-1) -> Tensor"
+    )
 
 
 def test_fake_implementations_and_autograd_wiring_on_meta_tensors():
@@ -207,3 +224,16 @@ def test_fake_implementations_and_autograd_wiring_on_meta_tensors():
     assert y.shape == (2, 3, 4, 5) and mean.shape == (2, 3) and rstd.dtype == torch.float32
     loss, lse, count = torch.ops.rustkernels.cross_entropy(x.detach(), t, "mean", -100, 0.0)
     assert loss.shape == () and lse.shape == (4,) and count.shape == (1,)
+
+
+def test_embedding_fake_implementation_and_autograd_wiring_on_meta_tensors():
+    w = torch.empty(10, 6, device="meta", requires_grad=True)
+    idx = torch.zeros(3, 4, dtype=torch.long, device="meta")
+    y = kt.embedding(idx, w, padding_idx=-1)
+    assert y.device.type == "meta" and y.shape == (3, 4, 6)
+    (gw,) = torch.autograd.grad(y.sum(), w)
+    assert gw.shape == (10, 6)
+    with pytest.raises(ValueError, match="padding_idx"):
+        kt.embedding(idx, w, padding_idx=10)
+    with pytest.raises(ValueError, match="weight is on cpu; the kernels run on CUDA tensors only"):
+        kt.embedding(torch.zeros(2, dtype=torch.long), torch.randn(4, 2))
