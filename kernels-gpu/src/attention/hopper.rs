@@ -120,6 +120,9 @@ mod device {
     /// A padded head dim: O's accumulators and its `O += P V` product.
     pub trait Dim {
         const DP: u32;
+        /// Whether the consumers take turns at the tensor cores ([`consume`]'s ping-pong): for
+        /// the head dim of 64, whose products are short against the softmax.
+        const PING_PONG: bool;
         type Acc: WgmmaAcc + AsMut<[f32]> + AsRef<[f32]>;
         fn zero() -> Self::Acc;
         /// # Safety
@@ -132,6 +135,7 @@ mod device {
 
     impl Dim for D64 {
         const DP: u32 = 64;
+        const PING_PONG: bool = true;
         type Acc = [f32; 32];
         #[inline(always)]
         fn zero() -> [f32; 32] {
@@ -147,6 +151,7 @@ mod device {
 
     impl Dim for D128 {
         const DP: u32 = 128;
+        const PING_PONG: bool = false;
         type Acc = [f32; 64];
         #[inline(always)]
         fn zero() -> [f32; 64] {
@@ -454,7 +459,10 @@ mod device {
     /// # Safety
     /// Both consumer warpgroups, in the pattern `consume` keeps.
     #[inline(always)]
-    unsafe fn hand_over(cw: u32) {
+    unsafe fn hand_over<D: Dim>(cw: u32) {
+        if !D::PING_PONG {
+            return;
+        }
         // SAFETY: per the contract: barrier 1 is consumer 0's turn, 2 consumer 1's.
         unsafe {
             if cw == 0 {
@@ -470,7 +478,10 @@ mod device {
     /// # Safety
     /// As [`hand_over`].
     #[inline(always)]
-    unsafe fn take_turn(cw: u32) {
+    unsafe fn take_turn<D: Dim>(cw: u32) {
+        if !D::PING_PONG {
+            return;
+        }
         // SAFETY: per the contract.
         unsafe {
             if cw == 0 {
@@ -487,7 +498,8 @@ mod device {
     ///   `O += P V`, and the softmax of block `j` runs while that product does (FlashAttention-3's
     ///   intra-warpgroup pipelining); K's stage is released once its scores are done, V's once
     ///   its product is;
-    /// - between the two warpgroups (ping-pong): each issues its products only in its turn
+    /// - between the two warpgroups (ping-pong, where [`Dim::PING_PONG`]): each issues its
+    ///   products only in its turn
     ///   (named barriers 1 and 2, consumer 0 first) and hands the turn over right after, so one's
     ///   softmax runs while the other's products do. Both walk every block of the tile (a row
     ///   that sees none of a block's keys gets weights of 0), so that their turns pair up.
@@ -532,7 +544,7 @@ mod device {
         // as often (consumer 1 once more, first, which leaves one hand-over unmatched at exit).
         unsafe {
             if cw == 1 {
-                hand_over(cw);
+                hand_over::<D>(cw);
             }
             mbarrier_wait_parity(sm.q_bar(), 0);
             if nb0 < nb1 {
@@ -540,13 +552,13 @@ mod device {
                 let mut sc: [f32; 64] = core::mem::zeroed();
                 let (s, ph) = slot(nb0, nb0);
                 mbarrier_wait_parity(sm.full(0, s), ph);
-                take_turn(cw);
+                take_turn::<D>(cw);
                 if bf16 {
                     issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s))
                 } else {
                     issue_s::<false>(&mut sc, sm, cw, sm.tile(0, s))
                 }
-                hand_over(cw);
+                hand_over::<D>(cw);
                 wgmma_wait::<0>(&mut sc);
                 if leader {
                     mbarrier_arrive(sm.empty(0, s));
@@ -557,7 +569,7 @@ mod device {
                     let (sv, phv) = slot(nb - 1, nb0);
                     mbarrier_wait_parity(sm.full(0, s), ph);
                     mbarrier_wait_parity(sm.full(1, sv), phv);
-                    take_turn(cw);
+                    take_turn::<D>(cw);
                     if bf16 {
                         issue_s::<true>(&mut sc, sm, cw, sm.tile(0, s))
                     } else {
@@ -568,7 +580,7 @@ mod device {
                     } else {
                         issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv))
                     }
-                    hand_over(cw);
+                    hand_over::<D>(cw);
                     wgmma_wait::<1>(&mut sc);
                     if leader {
                         mbarrier_arrive(sm.empty(0, s));
@@ -583,13 +595,13 @@ mod device {
                 }
                 let (sv, phv) = slot(nb1 - 1, nb0);
                 mbarrier_wait_parity(sm.full(1, sv), phv);
-                take_turn(cw);
+                take_turn::<D>(cw);
                 if bf16 {
                     issue_pv::<true, D>(&mut o, &pa, sm.tile(1, sv))
                 } else {
                     issue_pv::<false, D>(&mut o, &pa, sm.tile(1, sv))
                 }
-                hand_over(cw);
+                hand_over::<D>(cw);
                 wgmma_wait::<0>(&mut o);
                 if leader {
                     mbarrier_arrive(sm.empty(1, sv));
