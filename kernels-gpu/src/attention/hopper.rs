@@ -499,10 +499,10 @@ mod device {
     ///   intra-warpgroup pipelining); K's stage is released once its scores are done, V's once
     ///   its product is;
     /// - between the two warpgroups (ping-pong, where [`Dim::PING_PONG`]): each issues its
-    ///   products only in its turn
-    ///   (named barriers 1 and 2, consumer 0 first) and hands the turn over right after, so one's
-    ///   softmax runs while the other's products do. Both walk every block of the tile (a row
-    ///   that sees none of a block's keys gets weights of 0), so that their turns pair up.
+    ///   products only in its turn (named barriers 1 and 2, consumer 0 first) and hands the turn
+    ///   over right after, so one's softmax runs while the other's products do. Both walk every
+    ///   block of the tile (a row that sees none of a block's keys gets weights of 0), so that
+    ///   their turns pair up.
     ///
     /// # Safety
     /// As [`fwd`]'s, for a whole consumer warpgroup.
