@@ -289,12 +289,13 @@ fn fused_case(dev: &Device, act: Activation, dt: DType, rows: usize, cols: usize
     let x = tensor(dev, &xs, &[rows, cols], dt)?;
     let (s, b, g) =
         (tensor(dev, &ss, &[cols], dt)?, tensor(dev, &bs, &[cols], dt)?, tensor(dev, &gs, &[rows, cols], dt)?);
-    // z = fma(x, s, b) is rounded once in f32 before the activation: the exact result's
-    // sensitivity to that rounding (f at z(1 +- U/2)) adds to the activation's own bound.
+    // z = fma(x, s, b) is rounded once in f32 before the activation, to a point of
+    // [z - |z| U, z + |z| U]: f's largest change over that interval (one-sided, so that a jump
+    // such as Hardswish's derivative at -3 counts whole) adds to the activation's own bound.
     let z = |i: usize| xs[i] as f64 * ss[i % cols] as f64 + bs[i % cols] as f64;
     let spread = |f: &dyn Fn(f64) -> f64, z: f64| {
         let d = z.abs() * U;
-        let v = ((f(z + d) - f(z - d)) / 2.0).abs();
+        let v = (f(z + d) - f(z)).abs().max((f(z - d) - f(z)).abs());
         if v.is_finite() { v } else { 0.0 }
     };
     let show =
