@@ -312,9 +312,9 @@ pub fn add_launch_bounds(ptx: &str) -> String {
                 out.push('\n');
                 continue;
             }
-            // The Hopper attention forward (kernels-gpu/src/attention/hopper.rs): `setmaxnreg`
-            // needs the register cap at entry.
-            if name.starts_with("attention_fwd_wgmma") {
+            // The Hopper attention kernels (kernels-gpu/src/attention/hopper.rs, hopper_bwd.rs):
+            // `setmaxnreg` needs the register cap at entry.
+            if name.starts_with("attention_fwd_wgmma") || name.starts_with("attention_bwd_wgmma") {
                 pending = Some(".maxntid 384, 1, 1\n.minnctapersm 1\n".to_string());
                 out.push_str(line);
                 out.push('\n');

@@ -9,6 +9,7 @@ use crate::tensor::Tensor;
 use kernels_gpu::DType;
 use kernels_gpu::attention::backward::{self as bwd, AttnBwdParams};
 use kernels_gpu::attention::hopper::{self, HopperParams, hopper_kernel};
+use kernels_gpu::attention::hopper_bwd::{self, HopperBwdParams, hopper_bwd_kernels};
 use kernels_gpu::attention::{self as attn, AttentionArgs, AttnParams, fwd_kernel, padded_dim, smem_bytes};
 
 /// Which keys a query sees beyond the window ([`AttentionOpts::causal`]).
@@ -563,7 +564,101 @@ pub fn attention_backward_out(
         scale_log2: scale * std::f32::consts::LOG2_E,
         pad: 0,
     };
-    launch_backward(&dev, &kernels, &params, &dims, &p)
+    if uses_hopper_bwd(&dev, dtype, &dims, p.fwd.dp) {
+        launch_backward(&dev, &kernels, &params, &dims, &p, false)?;
+        return launch_hopper_bwd(op, &dev, dtype, &params, &dims, &p);
+    }
+    launch_backward(&dev, &kernels, &params, &dims, &p, true)
+}
+
+/// Whether the backward of `dims` runs on the Hopper kernels (`kernels-gpu/src/attention/
+/// hopper_bwd.rs`) after `prep`: an sm_90a GPU with their shared memory and a padded head dim
+/// of 64 or 128.
+fn uses_hopper_bwd(dev: &Device, dtype: DType, dims: &Dims, dp: u32) -> bool {
+    dev.ptx_arch() == "sm_90a"
+        && hopper_bwd_kernels(dtype, dp).is_some()
+        && dims.seq_k > 0
+        && dims.seq_q > 0
+        && dev.max_shared_bytes() >= hopper_bwd::smem_bytes(dp)
+}
+
+/// Launches the Hopper backward's dQ and dK/dV kernels once `prep` has written the workspaces:
+/// the tensor maps of Q, K, V and dO (boxes of 64 x 64) in a small buffer written just before,
+/// stream-ordered, then pieces of the batch that keep both grids below 2^31.
+fn launch_hopper_bwd(
+    op: &'static str,
+    dev: &Device,
+    dtype: DType,
+    params: &AttnBwdParams,
+    dims: &Dims,
+    p: &BwdPlan,
+) -> Result<()> {
+    let dp = p.fwd.dp;
+    let (dq_kernel, dkdv_kernel) = hopper_bwd_kernels(dtype, dp)
+        .ok_or_else(|| Error::InvalidArgument { op, message: format!("internal: no Hopper backward for {dp}") })?;
+    let map = |ptr: *const u16, (rows, heads): (usize, usize), st: [u64; 3]| {
+        let shape = [dims.d as u64, rows as u64, heads as u64, dims.batch as u64];
+        super::gemm_wgmma::tiled_map(op, dtype, ptr as u64, &shape, &[st[2], st[1], st[0]], &[64, hopper_bwd::BN, 1, 1])
+    };
+    let (qs, ks) = (params.q_stride, params.kv_stride);
+    let words: Vec<u64> = [
+        map(params.q, (dims.seq_q, dims.heads_q), qs)?,
+        map(params.k, (dims.seq_k, dims.heads_kv), ks)?,
+        map(params.v, (dims.seq_k, dims.heads_kv), ks)?,
+        map(params.dout, (dims.seq_q, dims.heads_q), qs)?,
+    ]
+    .concat();
+    let mut maps = dev.alloc(op, 8 * words.len())?;
+    maps.copy_from_host_async(&words)?;
+    let bm = hopper_bwd::BM as usize;
+    let (q_blocks, k_blocks) = (dims.seq_q.div_ceil(bm), dims.seq_k.div_ceil(bm));
+    let (dq_per_batch, dkdv_per_batch) = (q_blocks * dims.heads_q, k_blocks * dims.heads_kv);
+    let batches = (i32::MAX as usize / dq_per_batch.max(dkdv_per_batch).max(1)).clamp(1, dims.batch.max(1));
+    let smem = hopper_bwd::smem_bytes(dp);
+    let mut z0 = 0;
+    while z0 < dims.batch {
+        let nz = (dims.batch - z0).min(batches);
+        let piece = HopperBwdParams {
+            maps: maps.ptr() as *const u64,
+            dq: params.dq,
+            dk: params.dk,
+            dv: params.dv,
+            lse2: params.lse2,
+            delta: params.delta,
+            q_stride: qs,
+            kv_stride: ks,
+            lo: params.lo,
+            hi: params.hi,
+            seq_q: params.seq_q,
+            seq_k: params.seq_k,
+            d: params.d,
+            heads_q: params.heads_q,
+            group: params.group,
+            blocks: q_blocks as u32,
+            stat_pitch: p.fwd.q_blocks * attn::BM,
+            scale: params.scale,
+            scale_log2: params.scale_log2,
+            z0: z0 as u32,
+        };
+        let cfg = |blocks: usize| LaunchConfig {
+            grid: ((blocks * nz) as u32, 1, 1),
+            block: (hopper_bwd::THREADS, 1, 1),
+            shared_bytes: smem,
+        };
+        // SAFETY: the maps describe Q, K, V and dO as `attention_backward` checked them (the
+        // copy engine reads nothing outside them); dQ, dK and dV are this call's outputs of the
+        // inputs' shapes and strides, the workspaces `prep`'s (`batch * heads_q * stat_pitch`
+        // f32 each, written before in stream order); each grid covers batches `z0..z0 + nz`
+        // (`blocks` resident blocks per head); `smem` is within the device's limit
+        // (`uses_hopper_bwd`); the buffer of maps lives until the kernels have read it (freed
+        // stream-ordered after them).
+        unsafe {
+            dev.launch(dq_kernel, cfg(dq_per_batch), (piece,))?;
+            dev.launch(dkdv_kernel, cfg(dkdv_per_batch), (HopperBwdParams { blocks: k_blocks as u32, ..piece },))?;
+        }
+        z0 += nz;
+    }
+    Ok(())
 }
 
 /// How a backward is launched.
@@ -608,13 +703,15 @@ pub(crate) fn plan_backward(op: &'static str, dims: &Dims, max_smem: u32) -> Res
     Ok(BwdPlan { fwd, k_blocks: k_blocks as u32, smem_dq, smem_dkdv })
 }
 
-/// Launches the backward's kernels over every batch, [`Plan::batches`] at a time.
+/// Launches the backward's kernels over every batch, [`Plan::batches`] at a time: `prep`, then,
+/// with `all`, the dQ and dK/dV kernels.
 fn launch_backward(
     dev: &Device,
     kernels: &bwd::BwdKernels,
     params: &AttnBwdParams,
     dims: &Dims,
     p: &BwdPlan,
+    all: bool,
 ) -> Result<()> {
     let stats_per_batch = (dims.heads_q * p.fwd.q_blocks as usize * attn::BM as usize) as u64;
     let lse_per_batch = (dims.heads_q * dims.seq_q) as u64;
@@ -649,6 +746,10 @@ fn launch_backward(
         // workspaces the others read.
         unsafe {
             dev.launch(kernels.prep, cfg(q_grid, 0), (piece,))?;
+            if !all {
+                z0 += nz;
+                continue;
+            }
             dev.launch(kernels.dq, cfg(q_grid, p.smem_dq), (piece,))?;
             for kernel in kernels.dkdv.iter().flatten() {
                 let grid = (p.k_blocks * dims.heads_kv as u32 * nz as u32, 1, 1);

@@ -794,29 +794,43 @@ pub unsafe fn wgmma_m64n256k16<const BF16: bool, const TA: u32, const TB: u32>(d
     }
 }
 
-/// [`wgmma_m64n256k16`] for a 64 x 128 tile (`m64n128k16`), A and B both K-major: the scores
-/// `Q K^T` of attention, Q's rows and K's rows each holding their head dim contiguously.
-/// `ACC`: `d += A @ B`; without it `d = A @ B` (the accumulators' values are not read).
-///
-/// # Safety
-/// As [`wgmma_m64n256k16`].
-#[cfg(target_feature = "sm_90a")]
-#[inline(always)]
-pub unsafe fn wgmma_m64n128k16_ss<const BF16: bool, const ACC: bool>(d: &mut [f32; 64], da: u64, db: u64) {
-    // SAFETY: per the function contract.
-    unsafe {
-        if BF16 {
-            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
-                "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16";
-                ", {da}, {db}, p, 1, 1, 0, 0; }}";
-                da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
-        } else {
-            asm_acc!(64, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
-                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16";
-                ", {da}, {db}, p, 1, 1, 0, 0; }}";
-                da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
+/// Declares `d = A @ B` or `d += A @ B` with A and B both K-major in shared memory (`wgmma`
+/// "SS"): attention's scores `Q K^T`, Q's rows and K's rows each holding their head dim
+/// contiguously.
+macro_rules! wgmma_ss {
+    ($($name:ident: $n:literal, $acc:tt, $bf16:literal, $f16:literal;)*) => { $(
+        #[doc = concat!("[`wgmma_m64n256k16`] for a 64 x ", $n, " tile (`m64n", $n, "k16`), A and B both")]
+        /// K-major. `ACC`: `d += A @ B`; without it `d = A @ B` (the accumulators' values are not
+        /// read).
+        ///
+        /// # Safety
+        /// As [`wgmma_m64n256k16`].
+        #[cfg(target_feature = "sm_90a")]
+        #[inline(always)]
+        pub unsafe fn $name<const BF16: bool, const ACC: bool>(d: &mut [f32; $acc], da: u64, db: u64) {
+            // SAFETY: per the function contract.
+            unsafe {
+                if BF16 {
+                    asm_acc!($acc, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
+                        $bf16;
+                        ", {da}, {db}, p, 1, 1, 0, 0; }}";
+                        da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
+                } else {
+                    asm_acc!($acc, d; "{{ .reg .pred p; setp.ne.u32 p, {acc}, 0;",
+                        $f16;
+                        ", {da}, {db}, p, 1, 1, 0, 0; }}";
+                        da = in(reg64) da, db = in(reg64) db, acc = const ACC as u32, options(nostack));
+                }
+            }
         }
-    }
+    )* };
+}
+
+wgmma_ss! {
+    wgmma_m64n64k16_ss: 64, 32, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16";
+    wgmma_m64n128k16_ss: 128, 64, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16";
 }
 
 /// Declares `d += A @ B` with A from registers (`wgmma` "RS"): A a 64 x 16 tile held as an
@@ -959,6 +973,24 @@ pub unsafe fn tma_load_3d(dst: u32, map: *const u64, bar: u32, c0: i32, c1: i32,
             "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{m}, {{{c0}, {c1}, {c2}}}], [{b}];",
             d = in(reg32) dst, m = in(reg64) map, b = in(reg32) bar,
             c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Copies `bytes` of contiguous global memory at `src` into shared memory at `dst`, then
+/// signals them to the mbarrier at `bar` (`cp.async.bulk`, the copy engine without a tensor map).
+///
+/// # Safety
+/// `src` and `dst` 16-byte aligned, `bytes` a multiple of 16, both ranges inside their
+/// allocations; `bar` an initialised mbarrier in this block's shared memory expecting the bytes.
+#[inline(always)]
+pub unsafe fn bulk_load(dst: u32, src: *const u8, bytes: u32, bar: u32) {
+    // SAFETY: per the function contract.
+    unsafe {
+        asm!(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{s}], {n}, [{b}];",
+            d = in(reg32) dst, s = in(reg64) src, n = in(reg32) bytes, b = in(reg32) bar,
             options(nostack, preserves_flags)
         );
     }

@@ -109,7 +109,7 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
 }
 
 #[cfg(all(target_arch = "nvptx64", target_feature = "sm_90a"))]
-mod device {
+pub(super) mod device {
     use super::super::{AttnType, block_range, key_range};
     use super::*;
     use crate::prim::*;

@@ -28,6 +28,7 @@
 
 pub mod backward;
 pub mod hopper;
+pub mod hopper_bwd;
 
 /// Query rows per block.
 pub const BM: u32 = 64;
@@ -164,6 +165,7 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
     .map(|k| k.entry())
     .chain(backward::all_kernels())
     .chain(hopper::all_kernels())
+    .chain(hopper_bwd::all_kernels())
 }
 
 /// An input type of the tensor cores: its `mma` and the rounding of P to it.
