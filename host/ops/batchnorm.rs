@@ -130,17 +130,15 @@ fn dims(op: &'static str, x: &Tensor, layout: Layout2d) -> Result<(usize, usize,
 /// and count; `None` when `m == 0`.
 fn stats_grid(layout: u32, c: u64, m: u64) -> Option<(LaunchConfig, u64, u64)> {
     let p = plan(layout, c, m);
-    (p.chunks > 0 && p.gx > 0).then(|| {
-        (
-            LaunchConfig {
-                grid: (p.gx as u32, p.chunks as u32, 1),
-                block: (p.block.0, p.block.1, 1),
-                shared_bytes: 4 * STATS_THREADS * 4,
-            },
-            p.chunk,
-            p.chunks,
-        )
-    })
+    (p.chunks > 0 && p.gx > 0).then_some((
+        LaunchConfig {
+            grid: (p.gx as u32, p.chunks as u32, 1),
+            block: (p.block.0, p.block.1, 1),
+            shared_bytes: 4 * STATS_THREADS * 4,
+        },
+        p.chunk,
+        p.chunks,
+    ))
 }
 
 /// A block of [`FINAL_THREADS`] per channel.
@@ -191,8 +189,8 @@ pub fn batch_norm(
             });
         }
     }
-    let hw = h.checked_mul(w).unwrap_or(usize::MAX);
-    let m = n.checked_mul(hw).unwrap_or(usize::MAX);
+    let hw = h.saturating_mul(w);
+    let m = n.saturating_mul(hw);
     if opts.training && m == 1 {
         return Err(Error::InvalidArgument {
             op,
@@ -208,11 +206,11 @@ pub fn batch_norm(
     }
     let (layout, cu, hwu, mu) = (opts.layout.code(), c as u64, hw as u64, m as u64);
     let null = std::ptr::null_mut::<f32>();
-    let rm_ptr = match rm.as_deref_mut() {
+    let rm_ptr = match rm.as_mut() {
         Some(t) => t.dev_ptr_mut::<f32>()?,
         None => null,
     };
-    let rv_ptr = match rv.as_deref_mut() {
+    let rv_ptr = match rv.as_mut() {
         Some(t) => t.dev_ptr_mut::<f32>()?,
         None => null,
     };

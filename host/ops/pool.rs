@@ -76,11 +76,10 @@ fn out_len(op: &'static str, len: usize, k: usize, s: usize, p: usize, ceil: boo
 }
 
 /// The input's `(N, C, H, W)` and the output's `(OH, OW)`.
-fn geometry(
-    op: &'static str,
-    input: &[usize],
-    o: &Pool2dOpts,
-) -> Result<((usize, usize, usize, usize), (usize, usize))> {
+type Geometry = ((usize, usize, usize, usize), (usize, usize));
+
+/// The [`Geometry`] of a pooling of `input` (a shape).
+fn geometry(op: &'static str, input: &[usize], o: &Pool2dOpts) -> Result<Geometry> {
     let (n, c, h, w) = o.layout.dims(op, input)?;
     let oh = out_len(op, h, o.kernel.0, o.stride.0, o.padding.0, o.ceil_mode)?;
     let ow = out_len(op, w, o.kernel.1, o.stride.1, o.padding.1, o.ceil_mode)?;
