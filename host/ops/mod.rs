@@ -3,6 +3,7 @@
 //! returns an error naming itself and the offending shapes otherwise.
 
 pub mod attention;
+pub mod batchnorm;
 pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
@@ -16,6 +17,7 @@ pub mod linear;
 pub mod mathprobe;
 pub mod norm;
 pub mod optim;
+pub mod pool;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
@@ -23,6 +25,10 @@ pub mod transpose;
 
 pub use attention::{
     AttentionOpts, Causal, Layout, attention, attention_backward, attention_backward_out, attention_out,
+};
+pub use batchnorm::{
+    BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, BatchNormGrads, BatchNormOpts, BatchNormStats, Layout2d, batch_norm,
+    batch_norm_backward,
 };
 pub use cross_entropy::*;
 pub use elementwise::*;
@@ -35,13 +41,17 @@ pub use glu::*;
 pub use linear::*;
 pub use norm::*;
 pub use optim::*;
+pub use pool::{
+    Pool2dOpts, avg_pool2d, avg_pool2d_backward, global_avg_pool2d, global_avg_pool2d_backward, max_pool2d,
+    max_pool2d_backward,
+};
 pub use reduce::*;
 pub use rope::*;
 pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
-/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, init,
+/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, batch norm, pooling, init,
 /// the optimizer, the casts and the math probe), with the parameter count of the signature the host launches it
 /// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
 /// derives its list from its declaration's typed handles.
@@ -63,6 +73,8 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::embedding::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::batchnorm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::pool::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v

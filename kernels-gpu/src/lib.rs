@@ -39,6 +39,7 @@ macro_rules! unroll {
 }
 
 pub mod attention;
+pub mod batchnorm;
 pub mod cast;
 pub mod cross_entropy;
 pub mod dtype;
@@ -58,6 +59,7 @@ pub mod mathprobe;
 pub mod norm;
 pub mod ops;
 pub mod optim;
+pub mod pool;
 #[cfg(target_arch = "nvptx64")]
 pub mod prim;
 #[cfg(not(target_arch = "nvptx64"))]
