@@ -24,12 +24,23 @@ pub enum Error {
         /// How many GPUs the driver sees.
         available: usize,
     },
-    /// Device memory ran out.
+    /// Device memory ran out. The device stays usable: free tensors (or ask for less) and go on.
+    /// Where the driver ran out outside an allocation (a launch, another library), every size
+    /// is 0: unknown.
     OutOfMemory {
         /// The call that ran out.
         op: &'static str,
-        /// The allocation's size in bytes (0 where the driver ran out outside an allocation).
+        /// The allocation's size in bytes.
         bytes: usize,
+        /// Bytes held by this device's live tensors then ([`crate::MemoryStats::allocated_bytes`]).
+        allocated: usize,
+        /// Bytes in the allocator's cache then ([`crate::MemoryStats::cached_bytes`]); the cache
+        /// was emptied before the last try, so this is what could not be given back.
+        cached: usize,
+        /// Free device memory as the driver saw it after the failure (all processes count).
+        device_free: usize,
+        /// The device's memory.
+        device_total: usize,
     },
     /// Two tensors (or a tensor and what the op expects) have incompatible shapes.
     ShapeMismatch {
@@ -79,6 +90,18 @@ pub enum Error {
         /// The driver's error.
         message: String,
     },
+    /// NCCL (`libnccl.so.2`) could not be loaded, for the collectives of [`crate::dist`].
+    NoNccl {
+        /// What was tried, and how to point the library at an NCCL.
+        detail: String,
+    },
+    /// NCCL refused or failed a call of [`crate::dist`].
+    Collective {
+        /// The call.
+        op: &'static str,
+        /// NCCL's error and its last message.
+        message: String,
+    },
     /// Any other CUDA driver error.
     Driver {
         /// The call.
@@ -99,9 +122,17 @@ impl fmt::Display for Error {
             Error::NoDevice { ordinal, available } => {
                 write!(f, "no CUDA device {ordinal}: {available} device(s) present")
             }
-            Error::OutOfMemory { op, bytes } => {
-                write!(f, "{op}: out of device memory allocating {bytes} bytes")
-            }
+            Error::OutOfMemory { op, bytes: 0, .. } => write!(f, "{op}: out of device memory"),
+            Error::OutOfMemory { op, bytes, allocated, cached, device_free, device_total } => write!(
+                f,
+                "{op}: out of device memory allocating {} ({bytes} bytes); tensors hold {}, the \
+                 cache {}; the device has {} free of {}",
+                Mib(*bytes),
+                Mib(*allocated),
+                Mib(*cached),
+                Mib(*device_free),
+                Mib(*device_total)
+            ),
             Error::ShapeMismatch { op, expected, got, detail } => {
                 write!(f, "{op}: shape mismatch, expected {expected:?}, got {got:?} ({detail})")
             }
@@ -118,12 +149,22 @@ impl fmt::Display for Error {
                  rebuild)"
             ),
             Error::Kernel { kernel, message } => write!(f, "kernel `{kernel}` failed: {message}"),
+            Error::NoNccl { detail } => write!(f, "no NCCL: {detail}"),
+            Error::Collective { op, message } => write!(f, "{op}: {message}"),
             Error::Driver { op, message } => write!(f, "{op}: CUDA driver error: {message}"),
         }
     }
 }
 
 impl std::error::Error for Error {}
+
+/// Bytes shown in MiB with two decimals, the unit of `nvidia-smi` and PyTorch's messages.
+struct Mib(usize);
+impl fmt::Display for Mib {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2} MiB", self.0 as f64 / (1u64 << 20) as f64)
+    }
+}
 
 /// Turns a driver error into an [`Error`] for `op`.
 pub(crate) fn driver(op: &'static str, e: cudarc::driver::DriverError) -> Error {
@@ -133,7 +174,9 @@ pub(crate) fn driver(op: &'static str, e: cudarc::driver::DriverError) -> Error 
         Err(_) => format!("{:?}", e.0),
     };
     match e.0 {
-        CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { op, bytes: 0 },
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            Error::OutOfMemory { op, bytes: 0, allocated: 0, cached: 0, device_free: 0, device_total: 0 }
+        }
         _ => Error::Driver { op, message },
     }
 }

@@ -22,8 +22,8 @@
 //!
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
 //! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`); inside the
-//! crate, `launch` the launch geometry and `rows` the row kernels' launch planning; [`error`] the
-//! error type, [`interop`] borrowed memory and foreign streams (PyTorch).
+//! crate, `launch` the launch geometry and `rows` the row kernels' launch planning; [`dist`] the
+//! collectives across GPUs (NCCL), [`error`] the error type, [`interop`] borrowed memory and foreign streams (PyTorch).
 //!
 //! The cargo feature `internals` (off by default) adds `ops::mathprobe`, which runs the device
 //! math library's functions one by one for the project's own accuracy tests. It is not part of
@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod device;
+pub mod dist;
 pub mod error;
 pub mod interop;
 pub(crate) mod launch;
@@ -43,7 +44,7 @@ pub mod tensor;
 #[cfg(test)]
 mod ptx_tests;
 
-pub use device::{Device, Event, device_count};
+pub use device::{Device, Event, MemoryStats, device_count};
 pub use error::{Error, Result};
 pub use kernels_gpu::DType;
 pub use tensor::{Element, IndexTensor, Tensor};

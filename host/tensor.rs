@@ -313,6 +313,11 @@ impl Tensor {
     pub fn device_ptr(&self) -> u64 {
         self.buf.ptr()
     }
+    /// The tensor's memory, shared (to keep it alive while a collective of an NCCL group may
+    /// still use it).
+    pub(crate) fn buffer(&self) -> Arc<DeviceBuffer> {
+        self.buf.clone()
+    }
     /// Device address of the first element, typed for a kernel parameter.
     pub(crate) fn dev_ptr<T>(&self) -> *const T {
         self.buf.ptr() as *const T

@@ -89,6 +89,47 @@ fn a_missing_gpu_is_an_error_not_a_panic() {
     assert!(matches!(Device::cuda(1 << 20), Err(Error::NoDriver { .. } | Error::NoDevice { .. })));
 }
 
+/// NCCL is loaded at run time: without it (this machine), making an id, a group or asking the
+/// version is `Error::NoNccl` saying what was tried and how to point the library at one.
+#[test]
+fn a_missing_nccl_is_an_error_not_a_panic() {
+    use kernels::dist;
+    match dist::UniqueId::new() {
+        Err(Error::NoNccl { detail }) => {
+            assert!(detail.contains("KERNELS_NCCL_LIB") && detail.contains("libnccl"), "unclear: {detail}");
+            assert!(matches!(dist::nccl_version(), Err(Error::NoNccl { .. })));
+            assert!(matches!(dist::group(|| Ok(())), Err(Error::NoNccl { .. })));
+        }
+        // A machine with NCCL: the id is made by it, and the version is 2.10 or newer.
+        Ok(id) => {
+            assert_eq!(dist::UniqueId::from_hex(&id.to_hex()).unwrap(), id);
+            assert!(dist::nccl_version().unwrap().0 >= 21000);
+        }
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+/// The out-of-memory message says what was asked for, what tensors hold, what the cache held and
+/// what the device had; an error without sizes (the driver's, outside an allocation) says less.
+#[test]
+fn out_of_memory_says_what_was_asked_allocated_and_cached() {
+    let e = Error::OutOfMemory {
+        op: "Tensor::empty",
+        bytes: 3 << 30,
+        allocated: 1 << 20,
+        cached: 3 << 19,
+        device_free: 512 << 20,
+        device_total: 80 << 30,
+    };
+    assert_eq!(
+        e.to_string(),
+        "Tensor::empty: out of device memory allocating 3072.00 MiB (3221225472 bytes); tensors hold \
+         1.00 MiB, the cache 1.50 MiB; the device has 512.00 MiB free of 81920.00 MiB"
+    );
+    let e = Error::OutOfMemory { op: "softmax", bytes: 0, allocated: 0, cached: 0, device_free: 0, device_total: 0 };
+    assert_eq!(e.to_string(), "softmax: out of device memory");
+}
+
 /// The bounds of the bf16/f16 linear layer (tests/common/linear_ref.rs) admit a CPU emulation of
 /// the layer's path (f32 sums of exact products in one order, f32 epilogue, roundings to the
 /// dtype where the layer rounds), and reject two wrong computations: the bias gradient summed

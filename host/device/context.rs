@@ -33,6 +33,12 @@ pub(super) fn init_driver() -> Result<()> {
     .clone()
 }
 
+/// Forgets which context is current on this thread, so that the next `bind` sets it: for
+/// after a library (NCCL) that may change the current context behind the cache.
+pub(crate) fn forget_current_context() {
+    CURRENT_CTX.with(|c| c.set(std::ptr::null_mut()));
+}
+
 /// Number of CUDA devices; an error when there is no driver.
 pub fn device_count() -> Result<usize> {
     init_driver()?;
@@ -300,7 +306,7 @@ impl Inner {
             last_launch: AtomicUsize::new(usize::MAX),
             sync_each_launch: std::env::var("KERNELS_SYNC").is_ok_and(|v| v == "1"),
             poison_alloc: std::env::var("KERNELS_POISON_ALLOC").is_ok_and(|v| v == "1"),
-            pool: Mutex::new(HashMap::new()),
+            pool: Mutex::new(memory::Pool::default()),
             occupancy: Mutex::new(HashMap::new()),
             cluster_occupancy: Mutex::new(HashMap::new()),
         };
@@ -314,7 +320,7 @@ impl Drop for Inner {
         // SAFETY: nothing uses these handles after the last Device clone is gone.
         unsafe {
             if result::ctx::set_current(self.ctx).is_ok() {
-                let pool = std::mem::take(self.pool.get_mut().unwrap_or_else(|p| p.into_inner()));
+                let pool = std::mem::take(&mut self.pool.get_mut().unwrap_or_else(|p| p.into_inner()).blocks);
                 for p in pool.into_values().flatten() {
                     let _ = result::free_async(p, self.stream);
                 }

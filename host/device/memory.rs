@@ -5,7 +5,95 @@ use super::*;
 use crate::error::{Error, Result, driver};
 use cudarc::driver::{result, sys};
 
+/// A snapshot of a device's memory counters, modelled on `torch.cuda.memory_stats` (the
+/// PyTorch key each field corresponds to is named). Counts the memory of tensors this library
+/// allocated, by the device's cache or on a foreign stream inside [`Device::with_stream`];
+/// borrowed memory (PyTorch's tensors wrapped by [`crate::interop`]) is not counted.
+///
+/// Sizes in bytes. "Block" bytes are what the allocator set aside for a tensor: its size rounded
+/// up to the cache's bins (512-byte steps up to 1 MiB, 2 MiB steps above), as PyTorch's
+/// `allocated_bytes` counts its rounded blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryStats {
+    /// Block bytes held by live tensors now (`allocated_bytes.all.current`, what
+    /// `torch.cuda.memory_allocated` returns).
+    pub allocated_bytes: usize,
+    /// The most `allocated_bytes` has been since the device was created or
+    /// [`Device::reset_peak_memory_stats`] was called (`allocated_bytes.all.peak`,
+    /// `torch.cuda.max_memory_allocated`).
+    pub peak_allocated_bytes: usize,
+    /// Bytes the live tensors asked for, before rounding to blocks
+    /// (`requested_bytes.all.current`).
+    pub requested_bytes: usize,
+    /// The most `requested_bytes` has been since the last reset (`requested_bytes.all.peak`).
+    pub peak_requested_bytes: usize,
+    /// Bytes obtained from the driver and not yet given back: the live tensors' blocks and the
+    /// free blocks in the cache (`reserved_bytes.all.current`, `torch.cuda.memory_reserved`).
+    pub reserved_bytes: usize,
+    /// The most `reserved_bytes` has been since the last reset (`reserved_bytes.all.peak`).
+    pub peak_reserved_bytes: usize,
+    /// Free blocks held by the cache for reuse: `reserved_bytes - allocated_bytes` (PyTorch's
+    /// `inactive_split_bytes` without splitting). [`Device::empty_cache`] returns them.
+    pub cached_bytes: usize,
+    /// Tensor allocations of one byte or more since the device was created
+    /// (`allocation.all.allocated`).
+    pub num_allocs: u64,
+    /// Of those, how many have been freed (`allocation.all.freed`).
+    pub num_frees: u64,
+    /// Allocations the driver served (`cuMemAllocAsync`): those the cache could not
+    /// (`num_device_alloc`).
+    pub num_device_allocs: u64,
+    /// Blocks given back to the driver (`num_device_free`).
+    pub num_device_frees: u64,
+    /// Allocations that failed at first, emptied the cache and tried again (`num_alloc_retries`).
+    pub num_alloc_retries: u64,
+    /// Allocations that failed for want of memory, returned as [`Error::OutOfMemory`]
+    /// (`num_ooms`).
+    pub num_ooms: u64,
+}
+
+impl MemoryStats {
+    fn allocated(&mut self, capacity: usize, bytes: usize) {
+        self.allocated_bytes += capacity;
+        self.requested_bytes += bytes;
+        self.cached_bytes = self.reserved_bytes - self.allocated_bytes;
+        self.peak_allocated_bytes = self.peak_allocated_bytes.max(self.allocated_bytes);
+        self.peak_requested_bytes = self.peak_requested_bytes.max(self.requested_bytes);
+        self.num_allocs += 1;
+    }
+    fn freed(&mut self, capacity: usize, bytes: usize) {
+        self.allocated_bytes -= capacity;
+        self.requested_bytes -= bytes;
+        self.cached_bytes = self.reserved_bytes - self.allocated_bytes;
+        self.num_frees += 1;
+    }
+    fn reserved(&mut self, capacity: usize) {
+        self.reserved_bytes += capacity;
+        self.cached_bytes = self.reserved_bytes - self.allocated_bytes;
+        self.peak_reserved_bytes = self.peak_reserved_bytes.max(self.reserved_bytes);
+        self.num_device_allocs += 1;
+    }
+    fn released(&mut self, capacity: usize) {
+        self.reserved_bytes -= capacity;
+        self.cached_bytes = self.reserved_bytes - self.allocated_bytes;
+        self.num_device_frees += 1;
+    }
+}
+
+/// The device's cache of free blocks by capacity, and its counters, under one lock so that a
+/// snapshot is consistent.
+#[derive(Default)]
+pub(super) struct Pool {
+    pub(super) blocks: HashMap<usize, Vec<sys::CUdeviceptr>>,
+    stats: MemoryStats,
+}
+
 impl Device {
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.0.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Allocates `bytes` of device memory. Zero bytes give a null buffer.
     ///
     /// Freed buffers go back to a per-device cache of blocks by capacity and are handed out again
@@ -13,7 +101,8 @@ impl Device {
     /// costs one launch, not a launch and a `cuMemAllocAsync`. Reuse is safe because all work of
     /// a device is ordered on its one stream: a kernel that writes a reused block runs after
     /// every kernel that used it before. When the driver reports out-of-memory, the cache is
-    /// released and the allocation tried once more.
+    /// released and the allocation tried once more; should that fail too, the error says what
+    /// was asked for, allocated and cached, and the device stays usable.
     ///
     /// Inside [`Device::with_stream`], memory is allocated and freed stream-ordered on the
     /// foreign stream instead, bypassing the cache (see there for why).
@@ -25,25 +114,23 @@ impl Device {
             return self.alloc_on(op, bytes, stream);
         }
         let capacity = block_capacity(bytes);
-        let cached = self.0.pool.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&capacity).and_then(Vec::pop);
+        let cached = {
+            let mut pool = self.pool();
+            let p = pool.blocks.get_mut(&capacity).and_then(Vec::pop);
+            if p.is_some() {
+                pool.stats.allocated(capacity, bytes);
+            }
+            p
+        };
         let ptr = match cached {
             Some(p) => p,
             None => {
                 self.bind()?;
+                let stream = self.0.stream;
                 // SAFETY: the stream belongs to the bound context; the memory is only used on it.
-                let first = unsafe { result::malloc_async(self.0.stream, capacity) };
-                match first {
-                    Ok(p) => p,
-                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                        self.empty_cache()?;
-                        // SAFETY: as above.
-                        unsafe { result::malloc_async(self.0.stream, capacity) }.map_err(|e| match driver(op, e) {
-                            Error::OutOfMemory { op, .. } => Error::OutOfMemory { op, bytes },
-                            other => other,
-                        })?
-                    }
-                    Err(e) => return Err(driver(op, e)),
-                }
+                let p = self.driver_alloc(op, bytes, capacity, || unsafe { result::malloc_async(stream, capacity) })?;
+                self.pool().stats.allocated(capacity, bytes);
+                p
             }
         };
         let mut buf = DeviceBuffer { ptr, bytes, capacity, dev: self.clone(), origin: Origin::Cache };
@@ -53,24 +140,61 @@ impl Device {
         Ok(buf)
     }
 
+    /// `capacity` bytes from the driver by `malloc` (for a request of `bytes`), counted as
+    /// reserved; on out-of-memory the cache is emptied and `malloc` tried once more.
+    fn driver_alloc(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        capacity: usize,
+        malloc: impl Fn() -> Result<sys::CUdeviceptr, cudarc::driver::DriverError>,
+    ) -> Result<sys::CUdeviceptr> {
+        let oom = |e: &cudarc::driver::DriverError| e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
+        let p = match malloc() {
+            Ok(p) => p,
+            Err(e) if oom(&e) => {
+                self.pool().stats.num_alloc_retries += 1;
+                // The cache may hold the memory; `empty_cache` waits for the device's stream.
+                self.empty_cache()?;
+                match malloc() {
+                    Ok(p) => p,
+                    Err(e) if oom(&e) => return Err(self.out_of_memory(op, bytes)),
+                    Err(e) => return Err(driver(op, e)),
+                }
+            }
+            Err(e) => return Err(driver(op, e)),
+        };
+        self.pool().stats.reserved(capacity);
+        Ok(p)
+    }
+
+    /// The error for a failed allocation of `bytes`, with the allocator's state and the
+    /// driver's view of the device (counted in `num_ooms`).
+    fn out_of_memory(&self, op: &'static str, bytes: usize) -> Error {
+        let s = {
+            let mut pool = self.pool();
+            pool.stats.num_ooms += 1;
+            pool.stats
+        };
+        // Zeros should the query fail: the error is about the allocation, not this.
+        let (device_free, device_total) = result::mem_get_info().unwrap_or((0, 0));
+        Error::OutOfMemory {
+            op,
+            bytes,
+            allocated: s.allocated_bytes,
+            cached: s.cached_bytes,
+            device_free,
+            device_total,
+        }
+    }
+
     /// `bytes` (> 0) from the driver's pool, ordered on the foreign `stream` and returned to it
     /// on drop, stream-ordered on `stream`.
     pub(super) fn alloc_on(&self, op: &'static str, bytes: usize, stream: sys::CUstream) -> Result<DeviceBuffer> {
         self.bind()?;
         // SAFETY: `stream` belongs to the bound context (the contract of `with_stream`).
-        let ptr = match unsafe { result::malloc_async(stream, bytes) } {
-            Ok(p) => p,
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                // The device's own cache may hold the memory; `empty_cache` waits for its stream.
-                self.empty_cache()?;
-                // SAFETY: as above.
-                unsafe { result::malloc_async(stream, bytes) }.map_err(|e| match driver(op, e) {
-                    Error::OutOfMemory { op, .. } => Error::OutOfMemory { op, bytes },
-                    other => other,
-                })?
-            }
-            Err(e) => return Err(driver(op, e)),
-        };
+        let ptr = self.driver_alloc(op, bytes, bytes, || unsafe { result::malloc_async(stream, bytes) })?;
+        self.pool().stats.allocated(bytes, bytes);
         let mut buf =
             DeviceBuffer { ptr, bytes, capacity: bytes, dev: self.clone(), origin: Origin::Stream(stream as usize) };
         if self.0.poison_alloc {
@@ -79,9 +203,22 @@ impl Device {
         Ok(buf)
     }
 
-    /// Returns the cached free blocks to the driver (after the work that used them).
+    /// Returns the cached free blocks to the driver (after the work that used them), as
+    /// `torch.cuda.empty_cache` does. Live tensors keep theirs. The driver's pool keeps the
+    /// memory for the process (its release threshold is unlimited) until this process or
+    /// another needs it: `reserved_bytes` of [`Device::memory_stats`] drops, the device's
+    /// free memory as other processes see it does once the driver trims its pool.
     pub fn empty_cache(&self) -> Result<()> {
-        let blocks = std::mem::take(&mut *self.0.pool.lock().unwrap_or_else(|p| p.into_inner()));
+        let blocks = {
+            let mut pool = self.pool();
+            let blocks = std::mem::take(&mut pool.blocks);
+            for (&capacity, ptrs) in &blocks {
+                for _ in ptrs {
+                    pool.stats.released(capacity);
+                }
+            }
+            blocks
+        };
         self.bind()?;
         for p in blocks.into_values().flatten() {
             // SAFETY: cached blocks are owned by the cache and referenced by nothing else; they
@@ -89,7 +226,39 @@ impl Device {
             unsafe { result::free_async(p, self.0.stream) }.map_err(|e| driver("empty_cache", e))?;
         }
         // SAFETY: the device's own stream, in the bound context.
-        unsafe { result::stream::synchronize(self.0.stream) }.map_err(|e| self.kernel_fault(e))
+        unsafe { result::stream::synchronize(self.0.stream) }.map_err(|e| self.kernel_fault(e))?;
+        // Give the freed memory back to the device, so other processes and the driver's own
+        // allocations (NCCL's buffers, cuBLAS's workspaces) can have it.
+        let dev = result::device::get(self.0.ordinal as i32).map_err(|e| driver("empty_cache", e))?;
+        // SAFETY: the device's default pool; trimming to 0 frees only memory no allocation holds.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(dev).map_err(|e| driver("empty_cache", e))?;
+            sys::cuMemPoolTrimTo(pool, 0).result().map_err(|e| driver("empty_cache", e))
+        }
+    }
+
+    /// The device's memory counters now (see [`MemoryStats`]), like `torch.cuda.memory_stats`.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.pool().stats
+    }
+
+    /// Starts the peaks of [`MemoryStats`] again from the current values, like
+    /// `torch.cuda.reset_peak_memory_stats`: the peak of what a piece of code allocates is then
+    /// `memory_stats().peak_allocated_bytes` after it.
+    #[doc(alias = "reset_peak")]
+    pub fn reset_peak_memory_stats(&self) {
+        let s = &mut self.pool().stats;
+        s.peak_allocated_bytes = s.allocated_bytes;
+        s.peak_requested_bytes = s.requested_bytes;
+        s.peak_reserved_bytes = s.reserved_bytes;
+    }
+
+    /// Free and total device memory in bytes as the driver sees it (`cuMemGetInfo`, like
+    /// `torch.cuda.mem_get_info`): all processes' allocations count, and so does memory the
+    /// driver's pool keeps for this one.
+    pub fn mem_get_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| driver("mem_get_info", e))
     }
 }
 
@@ -218,10 +387,16 @@ impl Drop for DeviceBuffer {
         }
         match self.origin {
             Origin::Cache => {
-                let mut pool = self.dev.0.pool.lock().unwrap_or_else(|p| p.into_inner());
-                pool.entry(self.capacity).or_default().push(self.ptr);
+                let mut pool = self.dev.pool();
+                pool.blocks.entry(self.capacity).or_default().push(self.ptr);
+                pool.stats.freed(self.capacity, self.bytes);
             }
             Origin::Stream(stream) => {
+                {
+                    let stats = &mut self.dev.pool().stats;
+                    stats.freed(self.capacity, self.bytes);
+                    stats.released(self.capacity);
+                }
                 if self.dev.bind().is_ok() {
                     // SAFETY: allocated on `stream`, which by the contract of `with_stream` is
                     // alive and the only stream that used the buffer: the driver frees it after
@@ -231,5 +406,37 @@ impl Drop for DeviceBuffer {
             }
             Origin::Borrowed => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The counters of a block's life: reserved from the driver, allocated, freed to the cache,
+    /// reused, released by `empty_cache`.
+    #[test]
+    fn counters_follow_a_block() {
+        let mut s = MemoryStats::default();
+        s.reserved(4096);
+        s.allocated(4096, 4000);
+        assert_eq!((s.allocated_bytes, s.requested_bytes, s.reserved_bytes, s.cached_bytes), (4096, 4000, 4096, 0));
+        s.freed(4096, 4000);
+        assert_eq!((s.allocated_bytes, s.requested_bytes, s.cached_bytes), (0, 0, 4096));
+        s.allocated(4096, 3900);
+        s.freed(4096, 3900);
+        s.released(4096);
+        assert_eq!((s.reserved_bytes, s.cached_bytes), (0, 0));
+        assert_eq!((s.peak_allocated_bytes, s.peak_requested_bytes, s.peak_reserved_bytes), (4096, 4000, 4096));
+        assert_eq!((s.num_allocs, s.num_frees, s.num_device_allocs, s.num_device_frees), (2, 2, 1, 1));
+    }
+
+    #[test]
+    fn blocks_round_to_the_bins() {
+        assert_eq!(block_capacity(1), 512);
+        assert_eq!(block_capacity(4000), 4096);
+        assert_eq!(block_capacity(1 << 20), 1 << 20);
+        assert_eq!(block_capacity((1 << 20) + 1), 2 << 20);
+        assert_eq!(block_capacity(3 << 20), 4 << 20);
     }
 }

@@ -23,9 +23,11 @@ mod memory;
 mod module;
 
 pub use context::device_count;
+pub(crate) use context::forget_current_context;
 pub use event::Event;
 pub use launch::LaunchConfig;
 pub(crate) use memory::DeviceBuffer;
+pub use memory::MemoryStats;
 pub use module::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
 
 // The types of `Inner` and what `context` builds it from (the submodules import `super::*`).
@@ -57,8 +59,9 @@ struct Inner {
     /// `KERNELS_POISON_ALLOC=1`: fill every new allocation with 0xFF bytes (NaN in f32, f16 and
     /// bf16), so an element a kernel fails to write reads back as NaN. For tests; costs a memset.
     poison_alloc: bool,
-    /// Freed blocks by capacity, reused without a driver call (see `alloc`).
-    pool: Mutex<HashMap<usize, Vec<sys::CUdeviceptr>>>,
+    /// Freed blocks by capacity, reused without a driver call (see `alloc`), and the memory
+    /// counters of `memory_stats`.
+    pool: Mutex<memory::Pool>,
     /// `blocks_per_sm` answers by (kernel, threads, shared bytes): the driver's occupancy query
     /// costs microseconds, as much as a small kernel.
     occupancy: Mutex<HashMap<(usize, u32, u32), u32>>,

@@ -54,6 +54,14 @@ case "$JOBS" in
 esac
 
 export KERNELS_REQUIRE_GPU=1
+# NCCL for kernels::dist (tests/dist.rs, benches/dist.rs): the copy in PyTorch's pip wheels
+# (nvidia-nccl-cu12), unless KERNELS_NCCL_LIB already names one; NVLink multicast stays off in
+# every program started from here.
+if [ -z "${KERNELS_NCCL_LIB:-}" ]; then
+  NCCL_LIB="$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)"
+  if [ -n "$NCCL_LIB" ] && [ -f "$NCCL_LIB" ]; then export KERNELS_NCCL_LIB="$NCCL_LIB"; fi
+fi
+export NCCL_NVLS_ENABLE=0
 # The commit the bundle was built from, for the results' data (benches/results_json.py).
 if [ -z "${KERNELS_COMMIT:-}" ] && [ -f "$B/COMMIT" ]; then export KERNELS_COMMIT="$(cat "$B/COMMIT")"; fi
 # cuBLAS for the GEMM bench's in-process baseline: the copy in PyTorch's pip wheels

@@ -31,6 +31,14 @@ while [ $# -gt 0 ]; do
 done
 PYTHON="${PYTHON:-python3}"
 export KERNELS_REQUIRE_GPU=1 PYTHONDONTWRITEBYTECODE=1
+# NCCL for kernels::dist (tests/dist.rs, benches/dist.rs): the copy in PyTorch's pip wheels
+# (nvidia-nccl-cu12), unless KERNELS_NCCL_LIB already names one; NVLink multicast stays off in
+# every program started from here.
+if [ -z "${KERNELS_NCCL_LIB:-}" ]; then
+  NCCL_LIB="$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)"
+  if [ -n "$NCCL_LIB" ] && [ -f "$NCCL_LIB" ]; then export KERNELS_NCCL_LIB="$NCCL_LIB"; fi
+fi
+export NCCL_NVLS_ENABLE=0
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"; RES="$OUT"; TLOG="$OUT/python-tests.log"; BLOG="$OUT/python-bench.log"
 else

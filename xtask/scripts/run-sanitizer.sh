@@ -60,6 +60,14 @@ if [ ${#BINS[@]} -eq 0 ]; then
 fi
 
 export KERNELS_SANITIZER=1 KERNELS_REQUIRE_GPU=1
+# NCCL for kernels::dist (tests/dist.rs, benches/dist.rs): the copy in PyTorch's pip wheels
+# (nvidia-nccl-cu12), unless KERNELS_NCCL_LIB already names one; NVLink multicast stays off in
+# every program started from here.
+if [ -z "${KERNELS_NCCL_LIB:-}" ]; then
+  NCCL_LIB="$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)"
+  if [ -n "$NCCL_LIB" ] && [ -f "$NCCL_LIB" ]; then export KERNELS_NCCL_LIB="$NCCL_LIB"; fi
+fi
+export NCCL_NVLS_ENABLE=0
 [ -z "${OUT:-}" ] || mkdir -p "$OUT"
 TMP="$(mktemp)"
 trap 'rm -f "$TMP"' EXIT
