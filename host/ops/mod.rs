@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod cast;
+pub mod conv;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -24,6 +25,7 @@ pub mod transpose;
 pub use attention::{
     AttentionOpts, Causal, Layout, attention, attention_backward, attention_backward_out, attention_out,
 };
+pub use conv::{Conv2dGrads, Conv2dOpts, ConvLayout, ConvNeeds, conv2d, conv2d_backward, conv2d_out};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use embedding::{
@@ -42,7 +44,7 @@ pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
 /// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, init,
-/// the optimizer, the casts and the math probe), with the parameter count of the signature the host launches it
+/// the optimizer, the convolution, the casts and the math probe), with the parameter count of the signature the host launches it
 /// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
 /// derives its list from its declaration's typed handles.
 pub fn all_kernels() -> Vec<(String, usize)> {
@@ -63,6 +65,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::embedding::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::conv::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v
