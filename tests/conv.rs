@@ -345,9 +345,8 @@ fn sweep() -> Vec<Case> {
         Case { h: 1, w: 1, r: 3, s: 3, pad: (3, 3), stride: (3, 3), ..base },
         Case { r: 3, s: 1, pad: (1, 0), stride: (2, 1), ..base },
     ];
-    for i in 0..v.len() {
-        v.push(Case { nhwc: false, bias: i % 2 == 0, ..v[i] });
-    }
+    let nchw: Vec<Case> = v.iter().enumerate().map(|(i, c)| Case { nhwc: false, bias: i % 2 == 0, ..*c }).collect();
+    v.extend(nchw);
     let mut rng = TestRng::new(36);
     let pick = |rng: &mut TestRng, xs: &[usize]| xs[rng.below(xs.len())];
     while v.len() < 160 {

@@ -407,7 +407,7 @@ mod tests {
             ConvGeom { c: 3, ..g },
             ConvGeom { c: 0, ..g },
             // N P Q past the epilogue's 32-bit rows.
-            ConvGeom { n: 1 << 20, ..g },
+            ConvGeom { n: 1 << 21, ..g },
         ] {
             assert!(!uses_tensor_cores(DType::BF16, &other), "{other:?}");
         }
