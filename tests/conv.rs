@@ -151,7 +151,7 @@ struct Want {
 /// Whether the forward of `c` in `dt` runs on the tensor cores (`ops::conv::uses_tensor_cores`,
 /// for tensors allocated by the library, which are aligned).
 fn tensor_cores(c: &Case, dt: DType) -> bool {
-    dt != DType::F32 && c.nhwc && c.groups == 1 && c.c % 8 == 0 && c.c > 0
+    dt != DType::F32 && c.nhwc && c.groups == 1 && c.c.is_multiple_of(8) && c.c > 0
 }
 
 fn gamma(l: usize) -> f64 {
@@ -199,12 +199,12 @@ fn fwd_ref(c: &Case, dt: DType, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Want
     let (mut v, mut mag) = (vec![0.0; len], vec![0.0; len]);
     if let Some(b) = b {
         for n in 0..c.n {
-            for k in 0..c.k {
+            for (k, &bk) in b.iter().enumerate().take(c.k) {
                 for p in 0..c.p() {
                     for q in 0..c.q() {
                         let i = c.yi((n, k, p, q));
-                        v[i] = b[k] as f64;
-                        mag[i] = (b[k] as f64).abs();
+                        v[i] = bk as f64;
+                        mag[i] = (bk as f64).abs();
                     }
                 }
             }
