@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod batchnorm;
 pub mod cast;
+pub mod conv;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -30,6 +31,7 @@ pub use batchnorm::{
     BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, BatchNormGrads, BatchNormOpts, BatchNormStats, Layout2d, batch_norm,
     batch_norm_backward,
 };
+pub use conv::{Conv2dGrads, Conv2dOpts, ConvNeeds, conv2d, conv2d_backward, conv2d_out};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use embedding::{
@@ -51,8 +53,9 @@ pub use softmax::*;
 pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
-/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, batch norm, pooling, init,
-/// the optimizer, the casts and the math probe), with the parameter count of the signature the host launches it
+/// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, the
+/// convolution, batch norm, pooling, init, the optimizer, the casts and the math probe), with the
+/// parameter count of the signature the host launches it
 /// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
 /// derives its list from its declaration's typed handles.
 pub fn all_kernels() -> Vec<(String, usize)> {
@@ -75,6 +78,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::embedding::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::batchnorm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::pool::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::conv::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::cast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::mathprobe::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v

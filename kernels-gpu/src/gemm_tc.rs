@@ -128,8 +128,9 @@ impl InType for crate::dtype::F16 {
     }
 }
 
+// The tile machinery is shared with the convolution's implicit GEMM (`conv.rs`).
 #[cfg(target_arch = "nvptx64")]
-mod device {
+pub(crate) mod device {
     use super::*;
     use crate::gemm_epilogue::{OutType, store_pair};
     use crate::prim;
@@ -141,7 +142,7 @@ mod device {
     /// k]`): chunk `c` is row `c / 4`, K offset `8 * (c % 4)`; otherwise `x[k * ld + r]`: chunk
     /// `c` is K row `c / 16`, columns `8 * (c % 16)`. Consecutive threads copy consecutive
     /// chunks, i.e. whole rows.
-    struct Loader<const KC: bool> {
+    pub(crate) struct Loader<const KC: bool> {
         /// Global address of each chunk in the next stage to copy.
         ptr: [*const u16; CH],
         /// A valid address to name when a chunk copies nothing (the tile's origin).
@@ -163,7 +164,7 @@ mod device {
         /// `x` is the tile's origin (first row along R, K = 0), `r_left` rows of the operand
         /// remain from there.
         #[inline(always)]
-        unsafe fn new(x: *const u16, ld: u64, r_left: u32, aligned: bool, tid: u32) -> Self {
+        pub(crate) unsafe fn new(x: *const u16, ld: u64, r_left: u32, aligned: bool, tid: u32) -> Self {
             let mut l = Loader {
                 ptr: [x; CH],
                 origin: x,
@@ -189,7 +190,7 @@ mod device {
         /// Starts the copies of the next stage into the slot at `slot`; `k_left` = K minus the
         /// stage's first K index (> 0).
         #[inline(always)]
-        unsafe fn copy(&mut self, k_left: u32, slot: u32) {
+        pub(crate) unsafe fn copy(&mut self, k_left: u32, slot: u32) {
             unroll!(I: usize; 0 1 => {
                 let n_in = if KC {
                     if self.r_in[I] > 0 { k_left.saturating_sub(self.kk[I]).min(8) } else { 0 }
@@ -230,7 +231,7 @@ mod device {
     /// the fragment's origin (`r0`, K = 0), row `lane % 8` of it. A `KC` operand is stored
     /// `[r][k]` (the lane names row `r`), the other `[k][r]` (row `k`, read transposed).
     #[inline(always)]
-    fn lane_offset<const KC: bool>(r0: u32, dr: u32, dk: u32, j: u32) -> u32 {
+    pub(crate) fn lane_offset<const KC: bool>(r0: u32, dr: u32, dk: u32, j: u32) -> u32 {
         2 * if KC { (r0 + dr + j) * SK + dk } else { (dk + j) * SR + r0 + dr }
     }
 
@@ -239,7 +240,7 @@ mod device {
     /// # Safety
     /// As `prim::ldmatrix_x4`.
     #[inline(always)]
-    unsafe fn ldsm<const KC: bool>(addr: u32) -> [u32; 4] {
+    pub(crate) unsafe fn ldsm<const KC: bool>(addr: u32) -> [u32; 4] {
         // SAFETY: per the contract.
         unsafe { if KC { prim::ldmatrix_x4(addr) } else { prim::ldmatrix_x4_trans(addr) } }
     }

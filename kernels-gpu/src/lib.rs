@@ -41,6 +41,7 @@ macro_rules! unroll {
 pub mod attention;
 pub mod batchnorm;
 pub mod cast;
+pub mod conv;
 pub mod cross_entropy;
 pub mod dtype;
 pub mod elementwise;
