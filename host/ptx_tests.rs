@@ -43,7 +43,9 @@ fn sm90_only(name: &str) -> bool {
 
 /// Kernels that only the sm_90a module has: the `wgmma` GEMMs and attention kernels.
 fn sm90a_only(name: &str) -> bool {
-    name.starts_with("gemm_wgmma_") || name.starts_with("attention_fwd_wgmma_") || name.starts_with("attention_bwd_wgmma_")
+    name.starts_with("gemm_wgmma_")
+        || name.starts_with("attention_fwd_wgmma_")
+        || name.starts_with("attention_bwd_wgmma_")
 }
 
 /// Blocks per cluster and `.maxntid` of a cluster kernel, from its name: `_c<C>_` (a row split

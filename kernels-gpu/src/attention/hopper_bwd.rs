@@ -304,11 +304,8 @@ mod device {
                 fence_tensormap(m);
             }
             // Q, K, V, dO: resident X, Y and streamed U, W.
-            let (mx, my, mu, mw) = if DKDV {
-                (maps[1], maps[2], maps[0], maps[3])
-            } else {
-                (maps[0], maps[3], maps[1], maps[2])
-            };
+            let (mx, my, mu, mw) =
+                if DKDV { (maps[1], maps[2], maps[0], maps[3]) } else { (maps[0], maps[3], maps[1], maps[2]) };
             mbarrier_arrive_expect_tx(sm.resident_bar(), 2 * resident_bytes(dp));
             for (map, dst) in [(mx, sm.x), (my, sm.y)] {
                 for c in 0..dp / 64 {
@@ -333,8 +330,8 @@ mod device {
                     // The stage's queries' statistics: 64 values of each workspace, 256-byte
                     // aligned (stat_pitch and the block a multiple of 64), inside it (prep pads
                     // every head to stat_pitch).
-                    let at = ((w.b as u64 * p.heads_q as u64 + head as u64) * p.stat_pitch as u64
-                        + (blk * BN) as u64) as usize;
+                    let at = ((w.b as u64 * p.heads_q as u64 + head as u64) * p.stat_pitch as u64 + (blk * BN) as u64)
+                        as usize;
                     bulk_load(sm.stats(s), p.lse2.add(at) as *const u8, STATS / 2, sm.full(s));
                     bulk_load(sm.stats(s) + STATS / 2, p.delta.add(at) as *const u8, STATS / 2, sm.full(s));
                 }
@@ -405,13 +402,7 @@ mod device {
     #[inline(always)]
     unsafe fn ss(bf16: bool, d: &mut [f32; 32], res: u32, cw: u32, tile: u32, dp: u32) {
         // SAFETY: the caller's.
-        unsafe {
-            if bf16 {
-                issue_ss::<true>(d, res, cw, tile, dp)
-            } else {
-                issue_ss::<false>(d, res, cw, tile, dp)
-            }
-        }
+        unsafe { if bf16 { issue_ss::<true>(d, res, cw, tile, dp) } else { issue_ss::<false>(d, res, cw, tile, dp) } }
     }
 
     /// Issues one accumulating product for either dtype.
@@ -421,13 +412,7 @@ mod device {
     #[inline(always)]
     unsafe fn rs<D: Dim>(bf16: bool, acc: &mut D::Acc, a: &[[u32; 4]; 4], tile: u32) {
         // SAFETY: the caller's.
-        unsafe {
-            if bf16 {
-                issue_rs::<true, D>(acc, a, tile)
-            } else {
-                issue_rs::<false, D>(acc, a, tile)
-            }
-        }
+        unsafe { if bf16 { issue_rs::<true, D>(acc, a, tile) } else { issue_rs::<false, D>(acc, a, tile) } }
     }
 
     /// A consumer warpgroup: its 64 resident rows against every streamed stage, then its
