@@ -151,8 +151,9 @@ mod device {
     use super::*;
     use crate::prim::*;
 
-    /// Consumer warpgroups.
-    const CONSUMERS: u32 = 2;
+    /// Consumer threads: two warpgroups. Each releases a stage itself: dK/dV's read the stage's
+    /// statistics with plain loads, which only their own arrive orders before the next copy.
+    const CONSUMERS: u32 = 2 * 128;
 
     /// The shared-memory layout of a block: the resident tiles X and Y, the ring of streamed
     /// pairs (U, W), the barriers (the resident tiles'; then full, then empty, per stage).
@@ -437,7 +438,6 @@ mod device {
         // The columns all rows of this warpgroup see (blocks inside need no mask).
         let wg_last = (row0 + 63).min(nrows.saturating_sub(1));
         let all = (key_range(wg_last, lo, hi, ncols).0, key_range(row0, lo, hi, ncols).1);
-        let leader = tid % 128 == 0;
         let sl2 = p.scale_log2;
         let stats = |h: u32| (w.b as u64 * p.heads_q as u64 + h as u64) * p.stat_pitch as u64;
 
@@ -516,9 +516,7 @@ mod device {
                 if DKDV {
                     wgmma_wait::<0>(&mut dv);
                 }
-                if leader {
-                    mbarrier_arrive(sm.empty(s));
-                }
+                mbarrier_arrive(sm.empty(s));
             }
         }
 
