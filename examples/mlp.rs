@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example mlp
+//! cargo run --release --example mlp -- --trace mlp.json   # and a timeline of ten steps
 //! ```
 //!
 //! The data: 4096 points of 64 features, N(0, 1), labelled by a random "teacher" network
@@ -19,7 +20,13 @@
 //! differently, may legitimately move its parameter by `lr` either way; the losses, which
 //! depend on all of them, are compared instead. At the end the loss must have fallen below half
 //! its initial value. Exits 1 if a check fails, 0 with a message when there is no GPU.
+//!
+//! With `--trace PATH`, ten steps after the checked ones are recorded (`Device::start_trace`):
+//! each step, each layer's forward and backward and the optimizer as spans with their FLOPs and
+//! bytes, every kernel, and the allocator's state, written to PATH as Chrome trace JSON (open it
+//! in ui.perfetto.dev).
 
+use kernels::device::Cost;
 use kernels::ops::{self, Activation, AdamW, AdamWState, CrossEntropyOpts};
 use kernels::{DType, Device, IndexTensor, Tensor};
 
@@ -34,6 +41,7 @@ const H: usize = 256;
 const C: usize = 10;
 const STEPS: usize = 300;
 const CHECKED_STEPS: usize = 5;
+const TRACED_STEPS: usize = 10;
 
 /// SplitMix64 and Box-Muller: reproducible data and initial weights.
 struct Rng(u64);
@@ -114,6 +122,15 @@ fn adamw_ref(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], cfg: &AdamW
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let trace = match args.as_slice() {
+        [] => None,
+        [flag, path] if flag == "--trace" => Some(std::path::PathBuf::from(path)),
+        _ => {
+            eprintln!("usage: mlp [--trace PATH]");
+            std::process::exit(2);
+        }
+    };
     let dev = match Device::cuda(0) {
         Ok(d) => d,
         Err(e) => {
@@ -121,7 +138,7 @@ fn main() {
             return;
         }
     };
-    match run(&dev) {
+    match run(&dev, trace.as_deref()) {
         Ok(true) => {}
         Ok(false) => std::process::exit(1),
         Err(e) => {
@@ -131,7 +148,13 @@ fn main() {
     }
 }
 
-fn run(dev: &Device) -> kernels::Result<bool> {
+/// A GEMM's cost: `2 m n k` FLOPs, and f32 operands of `m x k`, `k x n` and `m x n` read or
+/// written once each.
+fn gemm_cost(m: usize, n: usize, k: usize) -> Cost {
+    Cost { flops: (2 * m * n * k) as u64, bytes: (4 * (m * k + k * n + m * n)) as u64 }
+}
+
+fn run(dev: &Device, trace: Option<&std::path::Path>) -> kernels::Result<bool> {
     let mut rng = Rng(2026);
     // The data and its teacher.
     let x: Vec<f32> = (0..N * D).map(|_| rng.normal() as f32).collect();
@@ -163,15 +186,40 @@ fn run(dev: &Device) -> kernels::Result<bool> {
     let mut first_loss = f32::NAN;
     let mut last_loss = f32::NAN;
     let t0 = std::time::Instant::now();
+    let traced = CHECKED_STEPS..CHECKED_STEPS + TRACED_STEPS;
     for step in 0..STEPS {
+        if trace.is_some() && step == traced.start {
+            dev.start_trace()?;
+        }
+        let step_span = dev.trace_scope(&format!("step {step}"), Cost::default());
         // Forward: h = gelu(x W1^T + b1) (z1 kept for GELU's backward), logits = h W2^T + b2.
-        let (h, s1) = ops::linear_train(&xt, &params[0], Some(&params[1]), Activation::Gelu)?;
-        let (logits, s2) = ops::linear_train(&h, &params[2], Some(&params[3]), Activation::Identity)?;
-        let (loss, saved) = ops::cross_entropy(&logits, &yt, CrossEntropyOpts::default())?;
-        // Backward.
-        let dlogits = ops::cross_entropy_backward(&logits, &yt, &saved, &one)?;
-        let g2 = ops::linear_backward(&h, &params[2], &logits, &s2, &dlogits, Some(&params[3]))?;
-        let g1 = ops::linear_backward(&xt, &params[0], &h, &s1, &g2.x, Some(&params[1]))?;
+        let (h, s1) = {
+            let _s = dev.trace_scope("linear 1 + gelu", gemm_cost(N, H, D));
+            ops::linear_train(&xt, &params[0], Some(&params[1]), Activation::Gelu)?
+        };
+        let (logits, s2) = {
+            let _s = dev.trace_scope("linear 2", gemm_cost(N, C, H));
+            ops::linear_train(&h, &params[2], Some(&params[3]), Activation::Identity)?
+        };
+        let ce = Cost { bytes: (4 * N * C) as u64, flops: 0 };
+        let (loss, saved) = {
+            let _s = dev.trace_scope("cross-entropy", ce);
+            ops::cross_entropy(&logits, &yt, CrossEntropyOpts::default())?
+        };
+        // Backward: dX and dW of each layer, two GEMMs each.
+        let dlogits = {
+            let _s = dev.trace_scope("cross-entropy backward", Cost { bytes: 2 * ce.bytes, flops: 0 });
+            ops::cross_entropy_backward(&logits, &yt, &saved, &one)?
+        };
+        let twice = |c: Cost| Cost { flops: 2 * c.flops, bytes: 2 * c.bytes };
+        let g2 = {
+            let _s = dev.trace_scope("linear 2 backward", twice(gemm_cost(N, C, H)));
+            ops::linear_backward(&h, &params[2], &logits, &s2, &dlogits, Some(&params[3]))?
+        };
+        let g1 = {
+            let _s = dev.trace_scope("linear 1 backward", twice(gemm_cost(N, H, D)));
+            ops::linear_backward(&xt, &params[0], &h, &s1, &g2.x, Some(&params[1]))?
+        };
         let grads = [g1.weight, g1.bias.expect("bias"), g2.weight, g2.bias.expect("bias")];
 
         let l = loss.to_vec::<f32>()?[0];
@@ -209,8 +257,26 @@ fn run(dev: &Device) -> kernels::Result<bool> {
         } else if step % 25 == 0 || step + 1 == STEPS {
             println!("step {step:>3}  loss {l:.6}");
         }
-        for ((p, g), st) in params.iter_mut().zip(&grads).zip(&mut opt) {
-            st.update(p, g, &cfg)?;
+        {
+            // AdamW reads p, g, m, v and writes p, m, v: seven f32 streams a parameter.
+            let n: usize = params.iter().map(Tensor::numel).sum();
+            let _s = dev.trace_scope("AdamW", Cost { bytes: (7 * 4 * n) as u64, flops: 0 });
+            for ((p, g), st) in params.iter_mut().zip(&grads).zip(&mut opt) {
+                st.update(p, g, &cfg)?;
+            }
+        }
+        drop(step_span);
+        if let Some(path) = trace.filter(|_| step + 1 == traced.end) {
+            let t = dev.stop_trace()?;
+            t.write_chrome_json(path)?;
+            println!(
+                "trace of steps {}..{}: {} kernels, {:.1} us of kernel time a step, written to {}",
+                traced.start,
+                traced.end,
+                t.kernels.len(),
+                t.kernels.iter().map(|k| k.dur_us).sum::<f64>() / TRACED_STEPS as f64,
+                path.display()
+            );
         }
     }
     dev.synchronize()?;

@@ -39,6 +39,11 @@
 //! records the calls and enqueues them all at its end, so a kernel launched inside the group
 //! runs before the collectives; the group keeps every tensor it was given alive until then.
 //!
+//! **Overlap.** [`Communicator::all_reduce_start`] runs an all-reduce on a second stream of
+//! the rank's device while the device's stream goes on, and [`BucketedAllReduce`] uses it to
+//! reduce a backward pass's gradients in buckets as they are produced (data-parallel training:
+//! `examples/data_parallel.rs`). Events order the two streams; the host never waits.
+//!
 //! **What is checked.** Locally, before anything is enqueued: dtypes, shapes, devices, ranks,
 //! peers and roots, as `Error::ShapeMismatch`, `DTypeMismatch`, `DeviceMismatch` or
 //! `InvalidArgument`; and every error NCCL returns, as [`Error::Collective`] (with NCCL's last
@@ -50,7 +55,7 @@
 //! on the GPU side (a peer that died, a network failure) come back from
 //! [`Communicator::async_error`].
 
-use crate::device::DeviceBuffer;
+use crate::device::{DeviceBuffer, Mark, SideStream};
 use crate::error::{Error, Result};
 use crate::{DType, Device, Tensor};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
@@ -333,6 +338,8 @@ pub struct Communicator {
     dev: Device,
     rank: usize,
     world: usize,
+    /// The stream of [`Communicator::all_reduce_start`], made at its first call.
+    side: OnceLock<SideStream>,
 }
 
 // SAFETY: the handle is used under the mutex only, with the device's context bound first; NCCL
@@ -380,6 +387,7 @@ impl Communicator {
                     dev: dev.clone(),
                     rank,
                     world,
+                    side: OnceLock::new(),
                 })
                 .collect(),
         ))
@@ -401,7 +409,7 @@ impl Communicator {
         let r = unsafe { (n.comm_init_rank)(&mut comm, world as c_int, uid, rank as c_int) };
         crate::device::forget_current_context();
         n.check(op, r, std::ptr::null_mut())?;
-        Ok(Communicator { nccl: n, comm: Mutex::new(comm), dev: dev.clone(), rank, world })
+        Ok(Communicator { nccl: n, comm: Mutex::new(comm), dev: dev.clone(), rank, world, side: OnceLock::new() })
     }
 
     /// This rank's index, from 0.
@@ -694,6 +702,181 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// Starts reducing `tensors` in place across the ranks (one all-reduce each, fused into one
+    /// NCCL group) on a second stream of this rank's device, and returns at once. The
+    /// reduction starts after the work issued so far on the device's stream, which goes on with
+    /// the next kernels meanwhile: a backward pass computes the next layer's gradients while
+    /// this one's travel (data-parallel training's bucketed all-reduce). The tensors are held
+    /// by the returned [`PendingReduce`] until [`PendingReduce::wait`] gives them back, reduced.
+    ///
+    /// One thread per rank: a thread that drives several ranks must issue their collectives
+    /// inside one [`group`], and a group enqueues only at its end, after this returns; so this
+    /// is refused inside a group. A tensor whose memory is shared with another (a clone) is
+    /// copied first, as every in-place op does, so no memory is reduced twice.
+    pub fn all_reduce_start(&self, mut tensors: Vec<Tensor>, op: ReduceOp) -> Result<PendingReduce<'_>> {
+        let name = "all_reduce_start";
+        if GROUP_DEPTH.with(Cell::get) > 0 {
+            return Err(Error::InvalidArgument {
+                op: name,
+                message: "inside dist::group, whose collectives are enqueued only at its end; start it outside \
+                          (one thread per rank)"
+                    .into(),
+            });
+        }
+        for t in &tensors {
+            self.check_tensor(name, t)?;
+        }
+        // The pointers first: a shared tensor's copy-on-write runs on the device's stream, before
+        // the point the reduction waits for.
+        let ptrs = tensors.iter_mut().map(|t| Self::out_ptr(name, t)).collect::<Result<Vec<_>>>()?;
+        let side = match self.side.get() {
+            Some(s) => s,
+            None => {
+                let s = SideStream::new(&self.dev)?;
+                self.side.get_or_init(|| s)
+            }
+        };
+        side.wait_for_device()?;
+        let enqueued = {
+            let comm = self.lock();
+            self.dev.bind().and_then(|()| {
+                let n = self.nccl;
+                // SAFETY: no arguments; pairs with the group_end below.
+                n.check(name, unsafe { (n.group_start)() }, *comm)?;
+                let mut r = Ok(());
+                for (t, &p) in tensors.iter().zip(&ptrs) {
+                    if t.numel() == 0 || r.is_err() {
+                        continue;
+                    }
+                    // SAFETY: p holds t.numel() elements of t's dtype on this rank's device;
+                    // the side stream belongs to its context.
+                    let res =
+                        unsafe { (n.all_reduce)(p, p, t.numel(), nccl_dtype(t.dtype()), op.nccl(), *comm, side.raw()) };
+                    r = n.check(name, res, *comm);
+                }
+                // SAFETY: ends the group started above.
+                let end = unsafe { (n.group_end)() };
+                crate::device::forget_current_context();
+                r.and_then(|()| n.check(name, end, *comm))
+            })
+        };
+        let pending = PendingReduce { tensors, done: Some(side.mark()?), _comm: std::marker::PhantomData };
+        // On failure, `pending` drops here: the device's stream waits for what was enqueued
+        // before the tensors' memory can be reused.
+        enqueued.map(|()| pending)
+    }
+}
+
+/// An all-reduce running on a rank's second stream (see [`Communicator::all_reduce_start`]).
+/// Dropping it without [`PendingReduce::wait`] still orders the device's stream after the
+/// reduction before the tensors' memory can be reused.
+#[must_use = "wait() gives the reduced tensors back"]
+pub struct PendingReduce<'a> {
+    tensors: Vec<Tensor>,
+    done: Option<Mark>,
+    /// The communicator (and its stream) outlive the reduction.
+    _comm: std::marker::PhantomData<&'a Communicator>,
+}
+
+impl std::fmt::Debug for PendingReduce<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PendingReduce({} tensors)", self.tensors.len())
+    }
+}
+
+impl PendingReduce<'_> {
+    /// Work issued on the device's stream (this thread's) from now on runs after the reduction;
+    /// returns the tensors, reduced for that work. The host does not wait.
+    pub fn wait(mut self) -> Result<Vec<Tensor>> {
+        if let Some(m) = self.done.take() {
+            m.device_waits()?;
+        }
+        Ok(std::mem::take(&mut self.tensors))
+    }
+
+    /// Whether the reduction has finished on the GPU (never blocks).
+    pub fn is_done(&self) -> bool {
+        self.done.as_ref().is_none_or(Mark::is_done)
+    }
+}
+
+impl Drop for PendingReduce<'_> {
+    fn drop(&mut self) {
+        let Some(m) = self.done.take() else { return };
+        if m.device_waits().is_err() && m.synchronize().is_err() {
+            // Neither the stream nor the host could be made to wait: the memory may still be in
+            // use, so it is never handed out again.
+            std::mem::forget(std::mem::take(&mut self.tensors));
+        }
+    }
+}
+
+/// Gradients all-reduced in buckets while the backward pass goes on, as PyTorch's
+/// `DistributedDataParallel` does: [`BucketedAllReduce::push`] each gradient as the backward
+/// produces it (last layer first); once the open bucket holds `bucket_bytes` or more, its
+/// reduction starts on the rank's second stream ([`Communicator::all_reduce_start`]) while the
+/// device computes the next gradients. [`BucketedAllReduce::finish`] starts the last bucket and
+/// gives every gradient back, reduced, in the order pushed.
+///
+/// Every rank must push the same sequence of shapes and dtypes: the buckets, hence the
+/// collectives, are then the same on every rank (NCCL cannot tell ranks that disagree).
+pub struct BucketedAllReduce<'a> {
+    comm: &'a Communicator,
+    op: ReduceOp,
+    bucket_bytes: usize,
+    open: Vec<Tensor>,
+    open_bytes: usize,
+    started: Vec<PendingReduce<'a>>,
+}
+
+impl std::fmt::Debug for BucketedAllReduce<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BucketedAllReduce({} started, {} open)", self.started.len(), self.open.len())
+    }
+}
+
+impl<'a> BucketedAllReduce<'a> {
+    /// Reduces by `op` (`Mean` for the gradient of a mean loss over equal shards) in buckets of
+    /// at least `bucket_bytes` (DDP's default is 25 MiB; 0 starts one reduction a tensor).
+    pub fn new(comm: &'a Communicator, op: ReduceOp, bucket_bytes: usize) -> Self {
+        BucketedAllReduce { comm, op, bucket_bytes, open: Vec::new(), open_bytes: 0, started: Vec::new() }
+    }
+
+    /// Adds a gradient (written by work already issued on the device's stream).
+    pub fn push(&mut self, grad: Tensor) -> Result<()> {
+        self.comm.check_tensor("BucketedAllReduce::push", &grad)?;
+        self.open_bytes += grad.size_bytes();
+        self.open.push(grad);
+        if self.open_bytes >= self.bucket_bytes { self.start_open() } else { Ok(()) }
+    }
+
+    fn start_open(&mut self) -> Result<()> {
+        let bucket = std::mem::take(&mut self.open);
+        self.open_bytes = 0;
+        if !bucket.is_empty() {
+            self.started.push(self.comm.all_reduce_start(bucket, self.op)?);
+        }
+        Ok(())
+    }
+
+    /// The reductions started so far.
+    pub fn buckets_started(&self) -> usize {
+        self.started.len()
+    }
+
+    /// Starts the open bucket, orders the device's stream after every reduction (the host does
+    /// not wait) and returns the gradients in the order they were pushed.
+    pub fn finish(mut self) -> Result<Vec<Tensor>> {
+        self.start_open()?;
+        let mut out = Vec::new();
+        for p in std::mem::take(&mut self.started) {
+            out.extend(p.wait()?);
+        }
+        Ok(out)
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
         let comm = *self.comm.get_mut().unwrap_or_else(|p| p.into_inner());
@@ -701,7 +884,8 @@ impl Drop for Communicator {
             return;
         }
         // Destroying waits for nothing: the device's work that uses the communicator first.
-        let done = self.dev.synchronize().is_ok();
+        let side_done = self.side.get().is_none_or(|s| s.synchronize().is_ok());
+        let done = self.dev.synchronize().is_ok() && side_done;
         // SAFETY: nothing uses the handle after this.
         let _ = unsafe { if done { (self.nccl.comm_destroy)(comm) } else { (self.nccl.comm_abort)(comm) } };
         crate::device::forget_current_context();

@@ -44,7 +44,7 @@ pub mod tensor;
 #[cfg(test)]
 mod ptx_tests;
 
-pub use device::{Device, Event, MemoryStats, device_count};
+pub use device::{Device, Event, MemoryStats, Trace, device_count};
 pub use error::{Error, Result};
 pub use kernels_gpu::DType;
 pub use tensor::{Element, IndexTensor, Tensor};

@@ -309,6 +309,8 @@ impl Inner {
             pool: Mutex::new(memory::Pool::default()),
             occupancy: Mutex::new(HashMap::new()),
             cluster_occupancy: Mutex::new(HashMap::new()),
+            tracing: AtomicBool::new(false),
+            trace: Mutex::new(None),
         };
         inner.install(&inner.modules[probe], probe_handle)?;
         Ok(inner)

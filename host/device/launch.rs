@@ -64,6 +64,7 @@ impl Device {
         let func = self.func(i)?.func;
         let mut params = args.param_ptrs();
         self.0.last_launch.store(i, Ordering::Relaxed);
+        let traced = self.trace_launch_begin();
         let launched = if dependent {
             // SAFETY: plain C structs, all fields set below or zero.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -97,6 +98,9 @@ impl Device {
                 )
             }
         };
+        if let Some(start) = traced {
+            self.trace_launch_end(start, i, cfg, launched.is_ok());
+        }
         launched
             .map_err(|e| Error::Kernel { kernel: name.into(), message: format!("launch refused: {e:?} ({cfg:?})") })?;
         if self.0.sync_each_launch {

@@ -13,28 +13,31 @@
 //! device goes to the given stream instead, and allocations bypass the cache (see there).
 //!
 //! Split by concern: `context` (the driver, devices, contexts and streams), `module` (the
-//! embedded PTX and its per-op modules), `launch`, `memory` (the cache and the buffers) and
-//! `event`. Nothing here knows of the ops.
+//! embedded PTX and its per-op modules), `launch`, `memory` (the cache and the buffers),
+//! `event` and `trace` (the timeline recorder). Nothing here knows of the ops.
 
 mod context;
 mod event;
 mod launch;
 mod memory;
 mod module;
+mod trace;
 
 pub use context::device_count;
 pub(crate) use context::forget_current_context;
 pub use event::Event;
+pub(crate) use event::{Mark, SideStream};
 pub use launch::LaunchConfig;
 pub(crate) use memory::DeviceBuffer;
 pub use memory::MemoryStats;
 pub use module::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
+pub use trace::{Cost, KernelSpan, MAX_TRACED_LAUNCHES, ScopeSpan, Trace, TraceScope};
 
 // The types of `Inner` and what `context` builds it from (the submodules import `super::*`).
 use cudarc::driver::sys;
 use module::{Kernel, Module, modules_for};
 use std::collections::HashMap;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 struct Inner {
@@ -67,6 +70,10 @@ struct Inner {
     occupancy: Mutex<HashMap<(usize, u32, u32), u32>>,
     /// Resident clusters by (kernel, cluster size, threads, shared bytes): `max_active_clusters`.
     cluster_occupancy: Mutex<HashMap<(usize, u32, u32, u32), u32>>,
+    /// Whether `trace` holds a recording: read on every launch, so the lock is taken only while
+    /// recording.
+    tracing: AtomicBool,
+    trace: Mutex<Option<trace::Recording>>,
 }
 
 // SAFETY: CUDA driver handles (context, stream, module, functions) may be used from any thread
