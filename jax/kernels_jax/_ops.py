@@ -29,6 +29,8 @@ __all__ = [
     "log_softmax",
     "layer_norm",
     "rms_norm",
+    "linear",
+    "LINEAR_ACTIVATIONS",
     "dot_product_attention",
 ]
 
@@ -255,6 +257,65 @@ def rms_norm(x, weight=None, eps=1e-6):
     """RMS norm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight`` (weight optional)."""
     x = jnp.asarray(x)
     return _norm(False, float(eps), x, _vector(weight, x, "rms_norm weight"), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The linear layer: one GEMM with the bias and the activation fused into its store.
+
+#: The activations ``linear`` fuses into the GEMM.
+LINEAR_ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu")
+
+
+def _linear_call(act, x, w, b):
+    args = [x, w] + ([b] if b is not None else [])
+    return _call(
+        "linear_fwd", _sds(x.shape[:-1] + (w.shape[0],), x.dtype), *args,
+        act=np.int32(act), bias=np.int32(b is not None),
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linear(act, x, w, b):
+    return _linear_call(act, x, w, b)
+
+
+def _linear_f(act, x, w, b):
+    identity = UNARY_OPS["identity"][0]
+    if act == identity:
+        return _linear_call(act, x, w, b), (x, w, b, None)
+    # The backward needs the pre-activation: the GEMM, then the activation, in two kernels.
+    z = _linear_call(identity, x, w, b)
+    return _unary_fwd_call(act, 0.0, 0.0, z), (x, w, b, z)
+
+
+def _linear_b(act, res, g):
+    x, w, b, z = res
+    g = g.astype(x.dtype)
+    dz = g if z is None else _unary_bwd_call(act, 0.0, 0.0, z, g)
+    results = [_sds(x.shape, x.dtype), _sds(w.shape, w.dtype)] + ([_sds(b.shape, b.dtype)] if b is not None else [])
+    out = _call("linear_bwd", results, x, w, dz, bias=np.int32(b is not None))
+    return out[0], out[1], (out[2] if b is not None else None)
+
+
+_linear.defvjp(_linear_f, _linear_b)
+
+
+def linear(x, weight, bias=None, activation="identity"):
+    """``act(x @ weight.T + bias)`` (``torch.nn.functional.linear``'s layout: weight ``[out,
+    in]``, x ``[..., in]``), one GEMM with the bias and the activation (one of
+    ``LINEAR_ACTIVATIONS``) fused into its store; float32 (f32 FMAs), or bfloat16 or float16
+    (the tensor cores, f32 accumulation, rounded once). The gradient: the activation's backward,
+    then two GEMMs and a column sum."""
+    if activation not in LINEAR_ACTIVATIONS:
+        raise ValueError(f"linear: activation {activation!r} is not one of {LINEAR_ACTIVATIONS}")
+    x, weight = jnp.asarray(x), jnp.asarray(weight)
+    if weight.ndim != 2 or x.ndim < 1 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear: x {x.shape} and weight {weight.shape}: expected [..., in] and [out, in]")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"linear: bias {bias.shape}, expected ({weight.shape[0]},)")
+    return _linear(UNARY_OPS[activation][0], x, weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------

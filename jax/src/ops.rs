@@ -8,7 +8,7 @@
 //! names the op (raised in Python as `XlaRuntimeError`), never a panic across the C boundary.
 
 use crate::ffi::{self, CallFrame, Frame, Res, XlaError, invalid};
-use kernels::ops::{self, AttentionOpts, Causal, Layout, NormGrads, NormStats, UnaryOp};
+use kernels::ops::{self, Activation, AttentionOpts, Causal, Gemm, Layout, NormGrads, NormStats, ReduceOp, UnaryOp};
 use kernels::{DType, Device, Tensor};
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -210,7 +210,15 @@ impl Call<'_> {
 /// The table's row `op` (an index in `ops::UNARY_OPS`) with parameters `a`, `b`.
 fn unary_op(c: &Call) -> Res<UnaryOp> {
     let code = c.int("op")?;
-    let (a, b) = (c.float("a")?, c.float("b")?);
+    unary_code(c, code, [c.float("a")?, c.float("b")?])
+}
+
+/// The table's row named by attribute `name`, without parameters (the GEMM's activations).
+fn unary_op_named(c: &Call, name: &str) -> Res<UnaryOp> {
+    unary_code(c, c.int(name)?, [0.0, 0.0])
+}
+
+fn unary_code(c: &Call, code: i64, [a, b]: [f32; 2]) -> Res<UnaryOp> {
     usize::try_from(code)
         .ok()
         .and_then(|i| ops::UNARY_OPS.get(i))
@@ -378,6 +386,80 @@ fn norm_bwd(c: &Call) -> Res<()> {
     })
 }
 
+/// The linear layer's sizes `(rows, inp, out)`: x `[..., inp]`, the weight `[out, inp]`.
+fn linear_dims(c: &Call) -> Res<(usize, usize, usize)> {
+    let (rows, inp) = c.buf(0).rows_cols(c.op)?;
+    match c.buf(1).dims[..] {
+        [out, i] if i == inp => Ok((rows, inp, out)),
+        _ => Err(invalid(format!(
+            "{}: operand 1 (the weight) has shape {:?}; expected [out, {inp}] (x's last dimension)",
+            c.op,
+            c.buf(1).dims
+        ))),
+    }
+}
+
+/// `act(x @ weight^T + bias)`, one GEMM with the bias and the activation (attribute `act`, a
+/// code of the unary table: identity, relu, gelu, gelu_tanh or silu) fused into its store.
+/// Operands x `[..., inp]`, weight `[out, inp]`, then the bias `[out]` if attribute `bias`;
+/// result y `[..., out]`. f32 (FMAs), or bf16 or f16 (tensor cores, f32 accumulation).
+fn linear_fwd(c: &Call) -> Res<()> {
+    let has_b = c.flag("bias")?;
+    let n_in = 2 + usize::from(has_b);
+    c.f.arity(c.op, n_in, 1)?;
+    let act = match unary_op_named(c, "act")? {
+        UnaryOp::Act(a) if Gemm::can_fuse(a) => a,
+        op => return Err(invalid(format!("{}: activation {} is not fused into the GEMM", c.op, op.name()))),
+    };
+    let dt = c.float_dtype(0)?;
+    let (rows, inp, out) = linear_dims(c)?;
+    let (xs, ws, ys, bs) = ([rows, inp], [out, inp], [rows, out], [out]);
+    let mut specs: Vec<(usize, DType, &[usize])> = vec![(0, dt, &xs[..]), (1, dt, &ws[..])];
+    if has_b {
+        specs.push((2, dt, &bs[..]));
+    }
+    specs.push((n_in, dt, &ys[..]));
+    if c.buf(n_in).dims.last() != Some(&out) {
+        return Err(invalid(format!("{}: result 0 has shape {:?}; expected [..., {out}]", c.op, c.buf(n_in).dims)));
+    }
+    let mut t = c.tensors(&specs)?.into_iter();
+    let mut take = || t.next().ok_or_else(|| invalid(format!("{}: internal: tensor count", c.op)));
+    let (x, w) = (take()?, take()?);
+    let b = if has_b { Some(take()?) } else { None };
+    let mut y = take()?;
+    c.run(|| ops::gemm_ex(&x, &w, &mut y, Gemm::new(false, true), b.as_ref(), act))
+}
+
+/// Gradients of `x @ weight^T + bias` from `dz` (the output's gradient, `[..., out]`):
+/// operands x, weight, dz; results `gx = dz @ weight` (x's shape), `gw = dz^T @ x` (`[out,
+/// inp]`), then `gb` (the column sums of dz, `[out]`) if attribute `bias`.
+fn linear_bwd(c: &Call) -> Res<()> {
+    let has_b = c.flag("bias")?;
+    c.f.arity(c.op, 3, 2 + usize::from(has_b))?;
+    let dt = c.float_dtype(0)?;
+    let (rows, inp, out) = linear_dims(c)?;
+    c.same_dims(3, 0)?;
+    c.same_dims(4, 1)?;
+    let (xs, ws, ys, bs) = ([rows, inp], [out, inp], [rows, out], [out]);
+    let mut specs: Vec<(usize, DType, &[usize])> =
+        vec![(0, dt, &xs[..]), (1, dt, &ws[..]), (2, dt, &ys[..]), (3, dt, &xs[..]), (4, dt, &ws[..])];
+    if has_b {
+        specs.push((5, dt, &bs[..]));
+    }
+    let mut t = c.tensors(&specs)?.into_iter();
+    let mut take = || t.next().ok_or_else(|| invalid(format!("{}: internal: tensor count", c.op)));
+    let (x, w, dz, mut gx, mut gw) = (take()?, take()?, take()?, take()?, take()?);
+    let mut gb = if has_b { Some(take()?) } else { None };
+    c.run(|| {
+        ops::gemm_ex(&dz, &w, &mut gx, Gemm::default(), None, Activation::Identity)?;
+        ops::gemm_ex(&dz, &x, &mut gw, Gemm::new(true, false), None, Activation::Identity)?;
+        if let Some(gb) = gb.as_mut() {
+            ops::reduce_leading_dims_out(&dz, ReduceOp::Sum, gb)?;
+        }
+        Ok(())
+    })
+}
+
 /// The attention options from the attributes: `layout` 0 `[B, H, S, D]`, 1 `[B, S, H, D]`;
 /// `causal` 0 none, 1 top left, 2 bottom right; `scale` (0 or less: `1/sqrt(D)`); a window
 /// `window_left`, `window_right` (a negative side unbounded; both negative: none).
@@ -532,6 +614,8 @@ targets! {
     softmax_bwd => softmax_bwd,
     norm_fwd => norm_fwd,
     norm_bwd => norm_bwd,
+    linear_fwd => linear_fwd,
+    linear_bwd => linear_bwd,
     attention_fwd => attention_fwd,
     attention_bwd => attention_bwd,
 }

@@ -101,7 +101,8 @@ def test_layouts_are_the_headers():
 
 def test_targets_are_capsules_of_handlers():
     t = dict(_native.targets())
-    for op in ("unary_fwd", "unary_bwd", "softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd", "attention_fwd", "attention_bwd"):
+    ops = ("unary_fwd", "unary_bwd", "softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd", "linear_fwd", "linear_bwd", "attention_fwd", "attention_bwd")
+    for op in ops:
         assert type(t[f"kernels_{op}"]).__name__ == "PyCapsule", op
     assert all(h for h in handlers().values())
 
@@ -208,6 +209,7 @@ def call(target, args, rets, attrs, size=None):
     return err, xla.errors
 
 
+CODE = {r[0]: i for i, r in enumerate(_native.UNARY_OPS)}
 GELU = {"op": (S32, [r[0] for r in _native.UNARY_OPS].index("gelu")), "a": (F32, 0.0), "b": (F32, 0.0)}
 INVALID_ARGUMENT = 3
 
@@ -224,6 +226,9 @@ INVALID_ARGUMENT = 3
         ("softmax_fwd", [(F32, [])], [(F32, [])], {"log": (S32, 0)}, "softmax_fwd: a scalar"),
         ("norm_fwd", [(F32, [4, 8])], [(F32, [4, 8]), (F32, [4])], {"layer": (S32, 0), "weight": (S32, 0), "bias": (S32, 1), "eps": (F32, 1e-5)}, "RMS norm has no bias"),
         ("norm_fwd", [(F32, [4, 8]), (F32, [7])], [(F32, [4, 8]), (F32, [4])], {"layer": (S32, 0), "weight": (S32, 1), "bias": (S32, 0), "eps": (F32, 1e-5)}, "operand 1 has shape [7]; expected 8 elements"),
+        ("linear_fwd", [(F32, [4, 8]), (F32, [3, 7])], [(F32, [4, 3])], {"act": (S32, CODE["identity"]), "bias": (S32, 0)}, "operand 1 (the weight) has shape [3, 7]; expected [out, 8]"),
+        ("linear_fwd", [(F32, [4, 8]), (F32, [3, 8])], [(F32, [4, 3])], {"act": (S32, CODE["mish"]), "bias": (S32, 0)}, "activation mish is not fused into the GEMM"),
+        ("linear_bwd", [(F32, [4, 8]), (F32, [3, 8]), (F32, [4, 3])], [(F32, [4, 8]), (F32, [8, 3])], {"bias": (S32, 0)}, "result 1 has shape [8, 3]; expected [3, 8]"),
         ("attention_fwd", [(BF16, [1, 4, 2]), (BF16, [1, 4, 2, 8]), (BF16, [1, 4, 2, 8])], [(BF16, [1, 4, 2]), (F32, [1, 2, 4])],
          {"layout": (S32, 1), "causal": (S32, 0), "scale": (F32, 0.0), "window_left": (S32, -1), "window_right": (S32, -1)}, "operand 0 has shape [1, 4, 2]; expected rank 4"),
     ],

@@ -221,6 +221,38 @@ def test_grad_of_norms_under_jit():
         close(o, r, F32, f"gradient of {what}")
 
 
+def _linear_ref(x, w, b, act):
+    y = jnp.dot(x, w.T, precision=lax.Precision.HIGHEST)
+    y = y if b is None else y + b
+    return {"identity": lambda v: v, "relu": jax.nn.relu, "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+            "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True), "silu": jax.nn.silu}[act](y)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("act", kj.LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("xs,out,bias", [((3, 5, 96), 80, True), ((7, 33), 17, False), ((1, 8), 1, True)])
+def test_linear(xs, out, bias, act, dtype):
+    x = randn(xs, dtype, seed=14)
+    w = randn((out, xs[-1]), dtype, seed=15, scale=xs[-1] ** -0.5)
+    b = randn((out,), dtype, seed=16) if bias else None
+    up = lambda t: None if t is None else t.astype(F32)  # noqa: E731
+    what = f"linear {xs} -> {out} {act}"
+    ours_f = lambda x, w, b: kj.linear(x, w, b, act)  # noqa: E731
+    ref_f = lambda x, w, b: _linear_ref(x, w, b, act)  # noqa: E731
+    close(jax.jit(ours_f)(x, w, b), ref_f(up(x), up(w), up(b)), dtype, what)
+    g = randn(xs[:-1] + (out,), dtype, seed=17)
+    y, vjp = jax.vjp(ours_f, x, w, b)
+    # The training forward (GEMM, then the activation) rounds the pre-activation to the dtype
+    # first: in bf16 its output may differ from the fused one by that rounding.
+    close(y, ref_f(up(x), up(w), up(b)), dtype, f"{what} (training forward)")
+    _, ref_vjp = jax.vjp(ref_f, up(x), up(w), up(b))
+    for name, o, r in zip(("x", "weight", "bias"), vjp(g), ref_vjp(g.astype(F32))):
+        if r is None:
+            assert o is None, name
+        else:
+            close(o, r, dtype, f"{what} gradient of {name}")
+
+
 # Errors: the handlers refuse a bad call with an XLA error naming the op and the operand; JAX
 # raises it (XlaRuntimeError, or JaxRuntimeError in newer versions) and stays usable.
 
