@@ -4,7 +4,7 @@ kernels_jax's operators, against the same model in pure JAX, from the same start
     python jax/examples/train_mlp.py         # on a machine with a CUDA GPU, jax and kernels_jax
 
 Both use f32 and products at Precision.HIGHEST, so the two loss curves differ only by the
-operators' roundings; the test (jax/tests/test_train.py) checks that they agree.
+operators' roundings; the test (jax/tests/test_jax_train.py) checks that they agree.
 """
 
 import functools

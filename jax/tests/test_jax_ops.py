@@ -44,10 +44,10 @@ def randn(shape, dtype, seed=0, scale=1.0):
     return jnp.asarray(x).astype(dtype)
 
 
-# The points where an op's derivative jumps (relu, abs, clamp's bounds, hardswish's): inputs
-# near them are moved off, as JAX and the library take different one-sided derivatives there
-# (JAX splits a tie of max/min in half).
-KINKS = np.array([0.0, -0.5, 0.5, -3.0, 3.0], np.float32)
+# The points where an op's derivative jumps (relu, abs, the bounds of clamp and of PARAMS'
+# clamp, hardswish's, softplus(2, 5)'s threshold): inputs near them are moved off, as JAX and the
+# library take different one-sided derivatives there (JAX splits a tie of max/min in half).
+KINKS = np.array([0.0, -0.5, 0.5, -1.0, 2.0, 2.5, -3.0, 3.0], np.float32)
 
 
 def inputs(shape, dtype, positive, seed=0):
