@@ -29,6 +29,7 @@ __all__ = [
     "log_softmax",
     "layer_norm",
     "rms_norm",
+    "cross_entropy",
     "linear",
     "LINEAR_ACTIVATIONS",
     "dot_product_attention",
@@ -257,6 +258,67 @@ def rms_norm(x, weight=None, eps=1e-6):
     """RMS norm over the last axis: ``x / sqrt(mean(x^2) + eps) * weight`` (weight optional)."""
     x = jnp.asarray(x)
     return _norm(False, float(eps), x, _vector(weight, x, "rms_norm weight"), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-entropy over class indices, fused with the log-softmax.
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _ce_attrs(opts):
+    reduction, ignore_index, smoothing = opts
+    return dict(reduction=np.int32(reduction), ignore_index=np.int32(ignore_index), label_smoothing=np.float32(smoothing))
+
+
+def _ce_fwd_call(opts, logits, targets):
+    rows = logits.shape[:-1]
+    results = [_sds(rows if opts[0] == 0 else (), logits.dtype), _sds(rows, jnp.float32), _sds((1,), jnp.float32)]
+    return _call("cross_entropy_fwd", results, logits, targets, **_ce_attrs(opts))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cross_entropy(opts, logits, targets):
+    return _ce_fwd_call(opts, logits, targets)[0]
+
+
+def _cross_entropy_f(opts, logits, targets):
+    loss, lse, count = _ce_fwd_call(opts, logits, targets)
+    return loss, (logits, targets, lse, count)
+
+
+def _cross_entropy_b(opts, res, g):
+    logits, targets, lse, count = res
+    gx = _call(
+        "cross_entropy_bwd", _sds(logits.shape, logits.dtype), logits, targets, lse, count, g.astype(logits.dtype),
+        **_ce_attrs(opts),
+    )  # fmt: skip
+    return gx, None
+
+
+_cross_entropy.defvjp(_cross_entropy_f, _cross_entropy_b)
+
+
+def cross_entropy(logits, labels, *, reduction="mean", ignore_index=-100, label_smoothing=0.0):
+    """``torch.nn.functional.cross_entropy`` over class indices: logits ``[..., C]`` (float32,
+    float16 or bfloat16), integer ``labels`` of logits' leading shape; ``reduction`` ``"mean"``
+    (over the rows whose label is not ``ignore_index``), ``"sum"`` or ``"none"``;
+    ``label_smoothing`` in ``[0, 1]``. The loss has logits' dtype. Waits for the GPU to check the
+    labels: one outside ``[0, C)`` other than ``ignore_index`` is an error naming its row."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction {reduction!r}, expected one of {tuple(_REDUCTIONS)}")
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    if logits.ndim < 1 or labels.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: logits {logits.shape} and labels {labels.shape}: expected [..., C] and [...]")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"cross_entropy: labels must be integers, got {labels.dtype}")
+    if labels.dtype != jnp.int64:
+        # The kernels read int64; without jax_enable_x64 JAX has none, so each label goes as
+        # its two 32-bit words (low, high), which the handler reads as one int64.
+        low = labels.astype(jnp.int32)
+        labels = jnp.stack([low, jnp.where(low < 0, -1, 0).astype(jnp.int32)], axis=-1)
+    opts = (_REDUCTIONS[reduction], int(ignore_index), float(label_smoothing))
+    return _cross_entropy(opts, logits, labels)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,11 @@
 //! names the op (raised in Python as `XlaRuntimeError`), never a panic across the C boundary.
 
 use crate::ffi::{self, CallFrame, Frame, Res, XlaError, invalid};
-use kernels::ops::{self, Activation, AttentionOpts, Causal, Gemm, Layout, NormGrads, NormStats, ReduceOp, UnaryOp};
-use kernels::{DType, Device, Tensor};
+use kernels::ops::{
+    self, Activation, AttentionOpts, Causal, CrossEntropyOpts, CrossEntropySaved, Gemm, Layout, NormGrads, NormStats,
+    ReduceOp, Reduction, UnaryOp,
+};
+use kernels::{DType, Device, IndexTensor, Tensor};
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
@@ -386,6 +389,90 @@ fn norm_bwd(c: &Call) -> Res<()> {
     })
 }
 
+/// The cross-entropy's options from the attributes `reduction` (0 none, 1 mean, 2 sum),
+/// `ignore_index` and `label_smoothing`.
+fn ce_opts(c: &Call) -> Res<CrossEntropyOpts> {
+    let reduction = match c.int("reduction")? {
+        0 => Reduction::None,
+        1 => Reduction::Mean,
+        2 => Reduction::Sum,
+        r => return Err(invalid(format!("{}: reduction code {r}: expected 0 (none), 1 (mean) or 2 (sum)", c.op))),
+    };
+    Ok(CrossEntropyOpts {
+        reduction,
+        ignore_index: c.int("ignore_index")?,
+        label_smoothing: c.float("label_smoothing")?,
+    })
+}
+
+/// Checks that buffer `i` holds `rows` int64 class indices: int64 `[rows]`, or int32 `[rows, 2]`
+/// holding each index's low and high words (JAX has no int64 without `jax_enable_x64`).
+fn ce_target_check(c: &Call, i: usize, rows: usize) -> Res<()> {
+    let b = c.buf(i);
+    let ok = match b.dtype {
+        ffi::DT_S64 => b.numel() == rows,
+        ffi::DT_S32 => b.dims.last() == Some(&2) && b.numel() == 2 * rows,
+        _ => false,
+    };
+    if !ok {
+        return Err(invalid(format!(
+            "{}: {} (the targets) has dtype {} and shape {:?}; expected int64 [{rows}] or int32 [{rows}, 2]",
+            c.op,
+            c.name(i),
+            dtype_name(b.dtype),
+            b.dims
+        )));
+    }
+    Ok(())
+}
+
+/// Buffer `i` as the class indices, after [`ce_target_check`].
+fn ce_target(c: &Call, i: usize, rows: usize) -> Res<IndexTensor> {
+    let b = c.buf(i);
+    let (_, dev) = c.dev()?;
+    // SAFETY: XLA's buffer of `rows` 8-byte indices (checked above) on this device, read only,
+    // live for the call and ordered on its stream.
+    unsafe { IndexTensor::from_device_ptr(dev, b.data, &[rows]) }
+        .map_err(|e| invalid(format!("{}: {}: {e}", c.op, c.name(i))))
+}
+
+/// Cross-entropy of logits `[..., C]` against class indices (see [`ce_target`]): results the
+/// loss (`[...]` for reduction none, else a scalar), and for the backward the f32 log-sum-exp of
+/// each row and the number of rows not ignored (`[1]`). Waits for the stream to check the
+/// targets: an index outside `[0, C)` (other than `ignore_index`) is an error naming its row.
+fn cross_entropy_fwd(c: &Call) -> Res<()> {
+    c.f.arity(c.op, 2, 3)?;
+    let opts = ce_opts(c)?;
+    let dt = c.float_dtype(0)?;
+    let (rows, cols) = c.buf(0).rows_cols(c.op)?;
+    let (s, r, one) = ([rows, cols], [rows], [1]);
+    let ls: &[usize] = if opts.reduction == Reduction::None { &r } else { &[] };
+    ce_target_check(c, 1, rows)?;
+    let [logits, mut loss, lse, count] =
+        c.fixed([(0, dt, &s), (2, dt, ls), (3, DType::F32, &r), (4, DType::F32, &one)])?;
+    let target = ce_target(c, 1, rows)?;
+    let mut saved = CrossEntropySaved::from_parts(lse, count, opts)?;
+    c.run(|| ops::cross_entropy_out(&logits, &target, opts, &mut loss, &mut saved))
+}
+
+/// Its backward: operands logits, target, lse, count, g (the loss's gradient); result the
+/// logits' gradient.
+fn cross_entropy_bwd(c: &Call) -> Res<()> {
+    c.f.arity(c.op, 5, 1)?;
+    let opts = ce_opts(c)?;
+    let dt = c.float_dtype(0)?;
+    let (rows, cols) = c.buf(0).rows_cols(c.op)?;
+    c.same_dims(5, 0)?;
+    let (s, r, one) = ([rows, cols], [rows], [1]);
+    let gs: &[usize] = if opts.reduction == Reduction::None { &r } else { &[] };
+    ce_target_check(c, 1, rows)?;
+    let [logits, lse, count, g, mut gx] =
+        c.fixed([(0, dt, &s), (2, DType::F32, &r), (3, DType::F32, &one), (4, dt, gs), (5, dt, &s)])?;
+    let target = ce_target(c, 1, rows)?;
+    let saved = CrossEntropySaved::from_parts(lse, count, opts)?;
+    c.run(|| ops::cross_entropy_backward_out(&logits, &target, &saved, &g, &mut gx))
+}
+
 /// The linear layer's sizes `(rows, inp, out)`: x `[..., inp]`, the weight `[out, inp]`.
 fn linear_dims(c: &Call) -> Res<(usize, usize, usize)> {
     let (rows, inp) = c.buf(0).rows_cols(c.op)?;
@@ -614,6 +701,8 @@ targets! {
     softmax_bwd => softmax_bwd,
     norm_fwd => norm_fwd,
     norm_bwd => norm_bwd,
+    cross_entropy_fwd => cross_entropy_fwd,
+    cross_entropy_bwd => cross_entropy_bwd,
     linear_fwd => linear_fwd,
     linear_bwd => linear_bwd,
     attention_fwd => attention_fwd,

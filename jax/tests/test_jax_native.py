@@ -101,7 +101,8 @@ def test_layouts_are_the_headers():
 
 def test_targets_are_capsules_of_handlers():
     t = dict(_native.targets())
-    ops = ("unary_fwd", "unary_bwd", "softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd", "linear_fwd", "linear_bwd", "attention_fwd", "attention_bwd")
+    ops = ("unary_fwd", "unary_bwd", "softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd", "cross_entropy_fwd", "cross_entropy_bwd",
+           "linear_fwd", "linear_bwd", "attention_fwd", "attention_bwd")
     for op in ops:
         assert type(t[f"kernels_{op}"]).__name__ == "PyCapsule", op
     assert all(h for h in handlers().values())
@@ -226,6 +227,8 @@ INVALID_ARGUMENT = 3
         ("softmax_fwd", [(F32, [])], [(F32, [])], {"log": (S32, 0)}, "softmax_fwd: a scalar"),
         ("norm_fwd", [(F32, [4, 8])], [(F32, [4, 8]), (F32, [4])], {"layer": (S32, 0), "weight": (S32, 0), "bias": (S32, 1), "eps": (F32, 1e-5)}, "RMS norm has no bias"),
         ("norm_fwd", [(F32, [4, 8]), (F32, [7])], [(F32, [4, 8]), (F32, [4])], {"layer": (S32, 0), "weight": (S32, 1), "bias": (S32, 0), "eps": (F32, 1e-5)}, "operand 1 has shape [7]; expected 8 elements"),
+        ("cross_entropy_fwd", [(F32, [4, 8]), (S32, [4])], [(F32, []), (F32, [4]), (F32, [1])], {"reduction": (S32, 1), "ignore_index": (S32, -100), "label_smoothing": (F32, 0.0)}, "operand 1 (the targets) has dtype int32 and shape [4]; expected int64 [4] or int32 [4, 2]"),
+        ("cross_entropy_fwd", [(F32, [4, 8]), (S32, [4, 2])], [(F32, [4]), (F32, [4]), (F32, [1])], {"reduction": (S32, 1), "ignore_index": (S32, -100), "label_smoothing": (F32, 0.0)}, "result 0 has shape [4]; expected 1 elements ([])"),
         ("linear_fwd", [(F32, [4, 8]), (F32, [3, 7])], [(F32, [4, 3])], {"act": (S32, CODE["identity"]), "bias": (S32, 0)}, "operand 1 (the weight) has shape [3, 7]; expected [out, 8]"),
         ("linear_fwd", [(F32, [4, 8]), (F32, [3, 8])], [(F32, [4, 3])], {"act": (S32, CODE["mish"]), "bias": (S32, 0)}, "activation mish is not fused into the GEMM"),
         ("linear_bwd", [(F32, [4, 8]), (F32, [3, 8]), (F32, [4, 3])], [(F32, [4, 8]), (F32, [8, 3])], {"bias": (S32, 0)}, "result 1 has shape [8, 3]; expected [3, 8]"),

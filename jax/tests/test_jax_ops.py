@@ -253,6 +253,49 @@ def test_linear(xs, out, bias, act, dtype):
             close(o, r, dtype, f"{what} gradient of {name}")
 
 
+def _cross_entropy_ref(logits, labels, reduction, ignore_index, smoothing):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    valid = labels != ignore_index
+    nll = -jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    loss = jnp.where(valid, (1 - smoothing) * nll - smoothing * logp.mean(-1), 0.0)
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / valid.sum()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("shape", [(64, 1000), (3, 5, 37)])
+def test_cross_entropy(shape, smoothing, reduction, dtype):
+    logits = randn(shape, dtype, seed=18, scale=2.0)
+    labels = np.random.default_rng(19).integers(0, shape[-1], size=shape[:-1]).astype(np.int32)
+    labels.reshape(-1)[::7] = -100  # ignored rows
+    labels = jnp.asarray(labels)
+    what = f"cross_entropy {shape} {reduction} smoothing {smoothing}"
+    ours_f = lambda x: kj.cross_entropy(x, labels, reduction=reduction, label_smoothing=smoothing)  # noqa: E731
+    ref_f = lambda x: _cross_entropy_ref(x, labels, reduction, -100, smoothing)  # noqa: E731
+    close(jax.jit(ours_f)(logits), ref_f(logits.astype(F32)), dtype, what)
+    g = randn(shape[:-1], dtype, seed=20) if reduction == "none" else jnp.asarray(1.5, dtype)
+    _, vjp = jax.vjp(ours_f, logits)
+    _, ref_vjp = jax.vjp(ref_f, logits.astype(F32))
+    close(vjp(g)[0], ref_vjp(g.astype(F32))[0], dtype, f"{what} gradient")
+
+
+def test_cross_entropy_under_jit_grad_with_traced_labels():
+    logits = randn((32, 50), F32, seed=21)
+    labels = jnp.asarray(np.random.default_rng(22).integers(0, 50, size=32).astype(np.int32))
+    ours = jax.jit(jax.grad(lambda x, y: kj.cross_entropy(x, y)))(logits, labels)
+    ref = jax.grad(lambda x: _cross_entropy_ref(x, labels, "mean", -100, 0.0))(logits)
+    close(ours, ref, F32, "grad of the mean cross-entropy")
+
+
+def test_cross_entropy_refuses_an_out_of_range_label():
+    logits = randn((4, 10), F32)
+    labels = jnp.asarray([1, 2, 10, 3], jnp.int32)
+    _raises(r"target of row 2 is outside \[0, 10\)", lambda: kj.cross_entropy(logits, labels))
+
+
 # Errors: the handlers refuse a bad call with an XLA error naming the op and the operand; JAX
 # raises it (XlaRuntimeError, or JaxRuntimeError in newer versions) and stays usable.
 
