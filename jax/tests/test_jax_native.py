@@ -114,6 +114,7 @@ def test_unary_table():
 
 
 def test_api_version_setting():
+    before = _native.api_version()
     try:
         _native.set_api_version(0, 3)
         assert _native.api_version() == (0, 3)
@@ -121,7 +122,7 @@ def test_api_version_setting():
             _native.set_api_version(1, 0)
         assert _native.api_version() == (0, 3)
     finally:
-        _native.set_api_version(0, 1)
+        _native.set_api_version(*before)
 
 
 def metadata_query(handler, api=None):
@@ -136,6 +137,8 @@ def metadata_query(handler, api=None):
 
 @pytest.mark.parametrize("minor", [1, 2, 5])
 def test_metadata_query_reports_the_set_version(minor):
+    # The version the registration of the other tests' targets set is restored after.
+    before = _native.api_version()
     try:
         _native.set_api_version(0, minor)
         for name, h in handlers().items():
@@ -144,7 +147,7 @@ def test_metadata_query_reports_the_set_version(minor):
             assert (md.api_version.major, md.api_version.minor, md.traits) == (0, minor, 0), name
             assert md.api_version.struct_size == C.sizeof(ApiVersion)
     finally:
-        _native.set_api_version(0, 1)
+        _native.set_api_version(*before)
 
 
 class FakeXla:
