@@ -140,7 +140,7 @@ impl Tensor {
 
     /// The tensor's memory, writable: a fresh tensor's own, or else (shared with a clone) a copy
     /// made first, stream-ordered after every earlier write.
-    fn buf_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer> {
+    pub(crate) fn buf_mut(&mut self, op: &'static str) -> Result<&mut DeviceBuffer> {
         if Arc::get_mut(&mut self.buf).is_none() {
             let mut own = self.device().alloc(op, self.buf.bytes())?;
             self.buf.copy_to(&mut own)?;

@@ -368,6 +368,95 @@ impl DeviceBuffer {
             .map_err(|e| driver("copy", e))
     }
 
+    /// Copies `height` rows of `width` bytes from this buffer (row `r` at `src_offset + r *
+    /// src_pitch`) into `dst` (row `r` at `dst_offset + r * dst_pitch`), stream-ordered: the
+    /// gather and scatter of `narrow` and `cat`. An error if a row falls outside either buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_rows_to(
+        &self,
+        src_offset: usize,
+        src_pitch: usize,
+        dst: &mut DeviceBuffer,
+        dst_offset: usize,
+        dst_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<()> {
+        if width == 0 || height == 0 {
+            return Ok(());
+        }
+        let end = |offset: usize, pitch: usize| {
+            (height - 1).checked_mul(pitch).and_then(|a| a.checked_add(offset)).and_then(|a| a.checked_add(width))
+        };
+        let fits = |e: Option<usize>, bytes: usize| e.is_some_and(|e| e <= bytes);
+        if (height > 1 && width > src_pitch.min(dst_pitch))
+            || !fits(end(src_offset, src_pitch), self.bytes)
+            || !fits(end(dst_offset, dst_pitch), dst.bytes)
+        {
+            return Err(Error::InvalidArgument {
+                op: "copy_rows",
+                message: format!(
+                    "{height} rows of {width} bytes (pitches {src_pitch}, {dst_pitch}; offsets {src_offset}, \
+                     {dst_offset}) outside buffers of {} and {} bytes",
+                    self.bytes, dst.bytes
+                ),
+            });
+        }
+        self.dev.bind()?;
+        let stream = self.dev.stream();
+        let contiguous = height == 1 || (src_pitch == width && dst_pitch == width);
+        if contiguous {
+            // SAFETY: both ranges were checked against the buffers above.
+            return unsafe {
+                result::memcpy_dtod_async(
+                    dst.ptr + dst_offset as u64,
+                    self.ptr + src_offset as u64,
+                    width * height,
+                    stream,
+                )
+            }
+            .map_err(|e| driver("copy_rows", e));
+        }
+        // The driver's 2-D copy takes pitches up to a limit (2^31 - 1 bytes on current GPUs):
+        // beyond it, one copy a row.
+        const MAX_PITCH: usize = (1 << 31) - 1;
+        if src_pitch.max(dst_pitch) > MAX_PITCH {
+            for r in 0..height {
+                // SAFETY: row r of each side lies inside the ranges checked above.
+                unsafe {
+                    result::memcpy_dtod_async(
+                        dst.ptr + (dst_offset + r * dst_pitch) as u64,
+                        self.ptr + (src_offset + r * src_pitch) as u64,
+                        width,
+                        stream,
+                    )
+                }
+                .map_err(|e| driver("copy_rows", e))?;
+            }
+            return Ok(());
+        }
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: self.ptr + src_offset as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst.ptr + dst_offset as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width,
+            Height: height,
+        };
+        // SAFETY: a plain description of two device ranges checked above, read during the call.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream).result() }.map_err(|e| driver("copy_rows", e))
+    }
+
     /// Sets every byte to `value`, stream-ordered.
     pub(crate) fn memset(&mut self, value: u8) -> Result<()> {
         if self.bytes == 0 {

@@ -1,5 +1,5 @@
 //! The operations. One file per kernel family, named as its device-side counterpart in
-//! `kernels-gpu/src/`. Every op validates devices, dtypes and shapes before it launches, and
+//! `kernels-gpu/src/` (`shape`, slicing and joining, runs the driver's copies and no kernel). Every op validates devices, dtypes and shapes before it launches, and
 //! returns an error naming itself and the offending shapes otherwise.
 
 pub mod attention;
@@ -21,6 +21,7 @@ pub mod optim;
 pub mod pool;
 pub mod reduce;
 pub mod rope;
+pub mod shape;
 pub mod softmax;
 pub mod transpose;
 
