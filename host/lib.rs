@@ -23,7 +23,8 @@
 //! Layout: [`device`] is the runtime (the only code that calls the driver), [`tensor`] the tensor,
 //! [`ops`] the operations (one file per kernel family, as in `kernels-gpu/src/`); inside the
 //! crate, `launch` the launch geometry and `rows` the row kernels' launch planning; [`dist`] the
-//! collectives across GPUs (NCCL), [`error`] the error type, [`interop`] borrowed memory and foreign streams (PyTorch).
+//! collectives across GPUs (NCCL), [`error`] the error type, [`interop`] borrowed memory and foreign streams (PyTorch),
+//! [`safetensors`] checkpoints.
 //!
 //! The cargo feature `internals` (off by default) adds `ops::mathprobe`, which runs the device
 //! math library's functions one by one for the project's own accuracy tests. It is not part of
@@ -39,6 +40,7 @@ pub mod interop;
 pub(crate) mod launch;
 pub mod ops;
 pub(crate) mod rows;
+pub mod safetensors;
 pub mod tensor;
 
 #[cfg(test)]

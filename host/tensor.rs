@@ -214,6 +214,33 @@ impl Tensor {
         Ok(v)
     }
 
+    /// The tensor's bytes as the device holds them (little-endian elements), waiting for it.
+    pub(crate) fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.buf.bytes()];
+        self.buf.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// A tensor of `shape` and `dtype` from its bytes (little-endian elements, exactly the
+    /// size the shape needs).
+    pub(crate) fn from_bytes(
+        op: &'static str,
+        dev: &Device,
+        bytes: &[u8],
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let mut t = Self::alloc(op, dev, shape, dtype)?;
+        if bytes.len() != t.buf.bytes() {
+            return Err(Error::InvalidArgument {
+                op,
+                message: format!("{} bytes for {shape:?} {dtype:?}, which needs {}", bytes.len(), t.buf.bytes()),
+            });
+        }
+        t.buf_mut(op)?.copy_from_host(bytes)?;
+        Ok(t)
+    }
+
     /// Copies the tensor back, widening f16/bf16 to f32 (exact).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         match self.dtype {
