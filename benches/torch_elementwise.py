@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from kernels_torch import _native
 from triton.testing import do_bench
 
+from peak_memory import peak_extra_bytes
+
 aten = torch.ops.aten
 dev = "cuda"
 COLS = 1024
@@ -257,7 +259,8 @@ def main():
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         b = nbytes(kind, direction, n, dt)
         gbs = b / ms / 1e6
-        rows.append(dict(name=name, op=op, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs))
+        rows.append(dict(name=name, op=op, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs,
+                         peak_extra_bytes=peak_extra_bytes(fn)))
         print(f"{name:44s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
         del fn
         torch.cuda.empty_cache()

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from peak_memory import peak_extra_bytes
+
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [("gpt2", 50257, 768, 8192), ("llama", 128256, 4096, 8192)]
@@ -77,7 +79,8 @@ def main():
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         nb = nbytes(op, direction, dt, shape)
         gbs = nb / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=elements, direction=direction, bytes=nb, ms=ms, gbs=gbs))
+        rows.append(dict(name=name, op=opname, dtype=dt, n=elements, direction=direction, bytes=nb, ms=ms, gbs=gbs,
+                         peak_extra_bytes=peak_extra_bytes(fn)))
         print(f"{name:64s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
         del fn
         torch.cuda.empty_cache()

@@ -18,6 +18,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from peak_memory import peak_extra_bytes
+
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 N = 1 << 24
@@ -51,7 +53,8 @@ def main():
         s = torch.finfo(DTYPES[dt]).bits // 8
         b = N * (3 * s + 16)
         gbs = b / ms / 1e6
-        rows.append(dict(name=name, op="adamw", dtype=dt, n=N, direction="step", bytes=b, ms=ms, gbs=gbs))
+        rows.append(dict(name=name, op="adamw", dtype=dt, n=N, direction="step", bytes=b, ms=ms, gbs=gbs,
+                         peak_extra_bytes=peak_extra_bytes(fn)))
         print(f"{name:56s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
         del fn
         torch.cuda.empty_cache()

@@ -19,6 +19,8 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from peak_memory import peak_extra_bytes
+
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [(4, 4096, 32, 128), (8, 2048, 16, 64)]
@@ -96,7 +98,8 @@ def main():
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         nb = nbytes(op, dt, shape)
         gbs = nb / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=nb, ms=ms, gbs=gbs))
+        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=nb, ms=ms, gbs=gbs,
+                         peak_extra_bytes=peak_extra_bytes(fn)))
         print(f"{name:64s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
         del fn
         torch.cuda.empty_cache()

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from peak_memory import peak_extra_bytes
+
 aten = torch.ops.aten
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -129,7 +131,8 @@ def main():
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         b = nbytes(op, direction, r, c, dt)
         gbs = b / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs))
+        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs,
+                         peak_extra_bytes=peak_extra_bytes(fn)))
         print(f"{name:56s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
         del fn
         torch.cuda.empty_cache()

@@ -10,7 +10,9 @@ torch_optim.py, torch_rope.py and torch_embedding.py.)
 
 Prints a markdown table joined on (op, dtype, n, direction): our GB/s, PyTorch's GB/s, the ratio
 by time (PyTorch's median time over ours: above 1 means we are faster), and our GB/s as a
-percentage of our own device-to-device copy of the largest size (the memory ceiling). Rows are
+percentage of our own device-to-device copy of the largest size (the memory ceiling), and the
+peak MiB one call allocates beyond what was allocated before it, ours and PyTorch's (each
+allocator's own count, where the records carry `peak_extra_bytes`). Rows are
 flagged when the ratio is under 0.97 at the large size (2^28) or under 1.0 at the small size;
 the fused act(x * scale + bias) rows must be at least 2x faster than PyTorch's three kernels.
 Both files must come from one run on one machine: compare ratios, never absolute numbers
@@ -28,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "benches")]
 import results_json  # noqa: E402
 
+MIB = 1024.0 * 1024.0
 BIG_MIN_RATIO = 0.97
 SMALL_MIN_RATIO = 1.0
 FUSED_MIN_SPEEDUP = 2.0
@@ -92,8 +95,9 @@ def main():
         print(f"PyTorch's copy (clone) of the same: {num(copy_gbs(torch))} GB/s")
     print()
 
-    print("| op | dtype | n | dir | ours GB/s | PyTorch GB/s | ratio (time) | % of copy | note |")
-    print("|---|---|---|---|---:|---:|---:|---:|---|")
+    print("| op | dtype | n | dir | ours GB/s | PyTorch GB/s | ratio (time) | % of copy | "
+          "ours peak MiB | PyTorch peak MiB | note |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     flagged, fused, records = [], [], []
     order = sorted(set(ours) | set(torch), key=lambda k: (-k[2], k[1] != "f32", k[1], k[0], k[3]))
     for k in order:
@@ -101,6 +105,9 @@ def main():
         o, t = ours.get(k), torch.get(k)
         og = o["gbs"] if o else None
         tg = t["gbs"] if t else None
+        # The memory column: peak bytes one call allocates beyond what was allocated before it.
+        om = o.get("peak_extra_bytes") / MIB if o and o.get("peak_extra_bytes") is not None else None
+        tm = t.get("peak_extra_bytes") / MIB if t and t.get("peak_extra_bytes") is not None else None
         ratio = t["ms"] / o["ms"] if o and t and o.get("ms") and t.get("ms") else None
         pct = 100.0 * og / ceiling if og and ceiling else None
         notes = []
@@ -122,10 +129,10 @@ def main():
                 notes.append("PyTorch runs no kernel")
         kept = [x for x in notes if not x.startswith(("**FLAG**", "fused speedup"))]
         records.append(results_json.record(op, dt, n, d, "GB/s", og, tg, ratio, pct_of_copy=pct,
-                                           note="; ".join(kept) or None))
+                                           peak_mib=om, baseline_peak_mib=tm, note="; ".join(kept) or None))
         print(
             f"| {op} | {dt} | {n_str(n)} | {d} | {num(og)} | {num(tg)} | {num(ratio, '{:.3f}')} | "
-            f"{num(pct)} | {'; '.join(notes)} |"
+            f"{num(pct)} | {num(om, '{:.3g}')} | {num(tm, '{:.3g}')} | {'; '.join(notes)} |"
         )
 
     print()

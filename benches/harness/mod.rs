@@ -1,7 +1,7 @@
 //! The timing harness shared by the benches: the way `triton.testing.do_bench` times PyTorch
 //! (see `benches/elementwise.rs` for the full description), criterion for the statistics and
 //! the command line, and the medians written as JSON (`KERNELS_BENCH_JSON`) for
-//! `scripts/compare.py`.
+//! `scripts/compare.py`, with the peak bytes one run allocates (the report's memory column).
 #![allow(dead_code)]
 
 use criterion::{Criterion, Throughput};
@@ -38,6 +38,21 @@ struct State {
     run: Run,
     /// Per-iteration GPU times (ms) of every timed run.
     samples: Vec<f32>,
+    /// What one run allocates at its peak beyond what was allocated before it.
+    peak_extra_bytes: usize,
+}
+
+/// Peak bytes one run allocates (its outputs and workspaces), by the allocator's count as
+/// PyTorch's `max_memory_allocated` counts its own (benches/peak_memory.py).
+fn peak_extra(dev: &Device, run: &mut Run) -> Result<usize> {
+    dev.synchronize()?;
+    dev.reset_peak_memory_stats();
+    let base = dev.memory_stats().allocated_bytes;
+    let outputs = run()?;
+    dev.synchronize()?;
+    let peak = dev.memory_stats().peak_allocated_bytes.saturating_sub(base);
+    drop(outputs);
+    Ok(peak)
 }
 
 /// Runs `iters` iterations of flush, event, op, event without synchronising, then reads the event
@@ -90,6 +105,7 @@ struct Record {
     dir: &'static str,
     bytes: u64,
     ms: f64,
+    peak_extra_bytes: usize,
 }
 
 fn json_num(x: f64) -> String {
@@ -102,7 +118,7 @@ fn write_json(path: &str, records: &[Record]) -> std::io::Result<()> {
         let gbs = r.bytes as f64 / r.ms / 1e6;
         s += &format!(
             "  {{\"name\": \"{}\", \"op\": \"{}\", \"dtype\": \"{}\", \"n\": {}, \"direction\": \"{}\", \
-             \"bytes\": {}, \"ms\": {}, \"gbs\": {}}}{}\n",
+             \"bytes\": {}, \"ms\": {}, \"gbs\": {}, \"peak_extra_bytes\": {}}}{}\n",
             r.name,
             r.op,
             r.dtype,
@@ -111,6 +127,7 @@ fn write_json(path: &str, records: &[Record]) -> std::io::Result<()> {
             r.bytes,
             json_num(r.ms),
             json_num(gbs),
+            r.peak_extra_bytes,
             if i + 1 < records.len() { "," } else { "" }
         );
     }
@@ -153,13 +170,15 @@ pub fn run(group_name: &str, cases: impl FnOnce(&Device) -> Vec<Case>) {
             let st = state.get_or_insert_with(|| {
                 let mut run = (case.build)(&dev, 0x5eed_0000 + i as u64 * 16).unwrap_or_else(|e| fail(&name, e));
                 warm_up(&dev, &mut flush, &mut run).unwrap_or_else(|e| fail(&name, e));
-                State { run, samples: Vec::new() }
+                let peak_extra_bytes = peak_extra(&dev, &mut run).unwrap_or_else(|e| fail(&name, e));
+                State { run, samples: Vec::new(), peak_extra_bytes }
             });
             b.iter_custom(|iters| {
                 time_iters(&dev, &mut flush, &mut st.run, iters, &mut st.samples).unwrap_or_else(|e| fail(&name, e))
             });
         });
         if let Some(mut st) = state {
+            let peak_extra_bytes = st.peak_extra_bytes;
             drop(st.run); // frees the inputs before the next case allocates its own
             if !st.samples.is_empty() {
                 let ms = median(&mut st.samples);
@@ -171,6 +190,7 @@ pub fn run(group_name: &str, cases: impl FnOnce(&Device) -> Vec<Case>) {
                     dir: case.dir,
                     bytes: case.bytes,
                     ms,
+                    peak_extra_bytes,
                 });
                 let r = records.last().expect("just pushed");
                 println!(
