@@ -366,7 +366,8 @@ impl Tensor {
 /// the floating-point ones every op computes on, so an op cannot be handed indices by mistake.
 ///
 /// `clone` is cheap: the clones share the device memory. Indices are written only by what
-/// creates them, before they are handed out, so no clone ever sees another change.
+/// creates them, before they are handed out, or by an `_out` op into a tensor that no clone
+/// shares, so no clone ever sees another change.
 #[derive(Clone)]
 pub struct IndexTensor {
     buf: Arc<DeviceBuffer>,
@@ -452,6 +453,17 @@ impl IndexTensor {
     /// the memory yet (see the type's `clone`).
     pub(crate) fn dev_ptr_mut(&mut self) -> *mut i64 {
         self.buf.ptr() as *mut i64
+    }
+
+    /// For an `_out` op to write indices it was handed: refused while a clone shares them.
+    pub(crate) fn dev_ptr_mut_unshared(&mut self, op: &'static str) -> Result<*mut i64> {
+        match Arc::get_mut(&mut self.buf) {
+            Some(buf) => Ok(buf.ptr() as *mut i64),
+            None => Err(Error::InvalidArgument {
+                op,
+                message: "the index tensor's memory is shared with a clone, which would see the write".into(),
+            }),
+        }
     }
 }
 

@@ -165,7 +165,38 @@ pub fn batch_norm(
     opts: &BatchNormOpts,
 ) -> Result<(Tensor, BatchNormStats)> {
     let op = "batch_norm";
+    let (_, c, _, _) = dims(op, x, opts.layout)?;
+    let dev = x.device();
+    let mut y = Tensor::alloc(op, dev, x.shape(), x.dtype())?;
+    let mut stats = BatchNormStats {
+        mean: Tensor::alloc(op, dev, &[c], DType::F32)?,
+        invstd: Tensor::alloc(op, dev, &[c], DType::F32)?,
+    };
+    batch_norm_out(x, weight, bias, running_mean, running_var, opts, &mut y, &mut stats)?;
+    Ok((y, stats))
+}
+
+/// [`batch_norm`] into `y` (x's shape, dtype and device) and `stats` (f32 `[C]` each).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    running_mean: Option<&mut Tensor>,
+    running_var: Option<&mut Tensor>,
+    opts: &BatchNormOpts,
+    y: &mut Tensor,
+    stats: &mut BatchNormStats,
+) -> Result<()> {
+    let op = "batch_norm";
     let (n, c, h, w) = dims(op, x, opts.layout)?;
+    check_same_device(op, x, y)?;
+    if y.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch { op, expected: x.dtype(), got: y.dtype() });
+    }
+    shapes_match(op, x.shape(), y.shape(), "y must have x's shape")?;
+    check_param(op, x, &stats.mean, c, "the saved mean must be [C], f32")?;
+    check_param(op, x, &stats.invstd, c, "the saved invstd must be [C], f32")?;
     for (p, what) in [(weight, "the weight must be [C], f32"), (bias, "the bias must be [C], f32")] {
         if let Some(p) = p {
             check_param(op, x, p, c, what)?;
@@ -198,11 +229,9 @@ pub fn batch_norm(
         });
     }
     let dev = x.device().clone();
-    let mut y = Tensor::alloc(op, &dev, x.shape(), x.dtype())?;
-    let mut mean = Tensor::alloc(op, &dev, &[c], DType::F32)?;
-    let mut invstd = Tensor::alloc(op, &dev, &[c], DType::F32)?;
+    let BatchNormStats { mean, invstd } = stats;
     if c == 0 {
-        return Ok((y, BatchNormStats { mean, invstd }));
+        return Ok(());
     }
     let (layout, cu, hwu, mu) = (opts.layout.code(), c as u64, hw as u64, m as u64);
     let null = std::ptr::null_mut::<f32>();
@@ -259,7 +288,7 @@ pub fn batch_norm(
         }
         Ok::<(), Error>(())
     })?;
-    Ok((y, BatchNormStats { mean, invstd }))
+    Ok(())
 }
 
 /// The gradients of [`batch_norm`] from the incoming gradient `grad` (x's shape and dtype), with
@@ -277,6 +306,29 @@ pub fn batch_norm_backward(
     opts: &BatchNormOpts,
 ) -> Result<BatchNormGrads> {
     let op = "batch_norm_backward";
+    let (_, c, _, _) = dims(op, x, opts.layout)?;
+    let dev = x.device();
+    let mut grads = BatchNormGrads {
+        x: Tensor::alloc(op, dev, x.shape(), x.dtype())?,
+        weight: weight.map(|_| Tensor::alloc(op, dev, &[c], DType::F32)).transpose()?,
+        bias: bias.map(|_| Tensor::alloc(op, dev, &[c], DType::F32)).transpose()?,
+    };
+    batch_norm_backward_out(x, weight, stats, grad, opts, &mut grads)?;
+    Ok(grads)
+}
+
+/// [`batch_norm_backward`] into `grads`: `x` of x's shape and dtype, and the weight's and bias's
+/// gradients (f32 `[C]`) where present (either may be asked for with or without a weight; the
+/// weight only scales `dx`).
+pub fn batch_norm_backward_out(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &BatchNormStats,
+    grad: &Tensor,
+    opts: &BatchNormOpts,
+    grads: &mut BatchNormGrads,
+) -> Result<()> {
+    let op = "batch_norm_backward";
     let (n, c, h, w) = dims(op, x, opts.layout)?;
     check_same_device(op, x, grad)?;
     if grad.dtype() != x.dtype() {
@@ -285,20 +337,24 @@ pub fn batch_norm_backward(
     shapes_match(op, x.shape(), grad.shape(), "grad must have x's shape")?;
     for (p, what) in [
         (weight, "the weight must be [C], f32"),
-        (bias, "the bias must be [C], f32"),
         (Some(&stats.mean), "the saved mean must be [C], f32"),
         (Some(&stats.invstd), "the saved invstd must be [C], f32"),
+        (grads.weight.as_ref(), "the weight's gradient must be [C], f32"),
+        (grads.bias.as_ref(), "the bias's gradient must be [C], f32"),
     ] {
         if let Some(p) = p {
             check_param(op, x, p, c, what)?;
         }
     }
+    check_same_device(op, x, &grads.x)?;
+    if grads.x.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatch { op, expected: x.dtype(), got: grads.x.dtype() });
+    }
+    shapes_match(op, x.shape(), grads.x.shape(), "dx must have x's shape")?;
     let dev = x.device().clone();
-    let mut dx = Tensor::alloc(op, &dev, x.shape(), x.dtype())?;
-    let mut dw = weight.map(|_| Tensor::alloc(op, &dev, &[c], DType::F32)).transpose()?;
-    let mut db = bias.map(|_| Tensor::alloc(op, &dev, &[c], DType::F32)).transpose()?;
+    let BatchNormGrads { x: dx, weight: dw, bias: db } = grads;
     if c == 0 {
-        return Ok(BatchNormGrads { x: dx, weight: dw, bias: db });
+        return Ok(());
     }
     let hw = h * w;
     let m = n * hw;
@@ -356,7 +412,7 @@ pub fn batch_norm_backward(
         }
         Ok::<(), Error>(())
     })?;
-    Ok(BatchNormGrads { x: dx, weight: dw, bias: db })
+    Ok(())
 }
 
 #[cfg(test)]

@@ -300,14 +300,45 @@ pub fn conv2d_backward(
 ) -> Result<Conv2dGrads> {
     let op = "conv2d_backward";
     let g = geometry(op, x, w, opts)?;
+    let (dev, dt) = (x.device(), x.dtype());
+    let mut grads = Conv2dGrads {
+        input: needs.input.then(|| Tensor::alloc(op, dev, x.shape(), dt)).transpose()?,
+        weight: needs.weight.then(|| Tensor::alloc(op, dev, w.shape(), dt)).transpose()?,
+        bias: needs.bias.then(|| Tensor::alloc(op, dev, &[g.k as usize], dt)).transpose()?,
+    };
+    conv2d_backward_out(x, w, dy, opts, &mut grads)?;
+    Ok(grads)
+}
+
+/// [`conv2d_backward`] into the gradients `grads` holds (x's dtype and device; `input` of x's
+/// shape, `weight` of the filter's, `bias` `[K]`): those present are computed, the others not.
+pub fn conv2d_backward_out(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    opts: &Conv2dOpts,
+    grads: &mut Conv2dGrads,
+) -> Result<()> {
+    let op = "conv2d_backward";
+    let g = geometry(op, x, w, opts)?;
     check_same_device(op, x, dy)?;
     check_same_dtype(op, x, dy)?;
     shapes_match(op, &output_shape(&g), dy.shape(), "dy must be the convolution's output shape")?;
+    let k = [g.k as usize];
+    for (t, shape, what) in [
+        (&grads.input, x.shape(), "dx must have x's shape"),
+        (&grads.weight, w.shape(), "dw must have the filter's shape"),
+        (&grads.bias, &k[..], "db must be [K]"),
+    ] {
+        if let Some(t) = t {
+            check_same_device(op, x, t)?;
+            check_same_dtype(op, x, t)?;
+            shapes_match(op, shape, t.shape(), what)?;
+        }
+    }
     let dev = x.device().clone();
     let dt = x.dtype();
-    let mut out = Conv2dGrads { input: None, weight: None, bias: None };
-    if needs.input {
-        let mut dx = Tensor::alloc(op, &dev, x.shape(), dt)?;
+    if let Some(dx) = grads.input.as_mut() {
         let total = dx.numel() as u64;
         with_elem!(dt, |T| {
             let kernel = <T as ConvElem>::BWD_DATA;
@@ -319,16 +350,22 @@ pub fn conv2d_backward(
             }
             Ok::<(), Error>(())
         })?;
-        out.input = Some(dx);
     }
-    if needs.weight || needs.bias {
-        let e_w = if needs.weight { g.w_len() } else { 0 };
-        let e_all = e_w + if needs.bias { g.k as u64 } else { 0 };
-        let mut dw = Tensor::alloc(op, &dev, if needs.weight { w.shape() } else { &[0] }, dt)?;
-        let mut db = Tensor::alloc(op, &dev, &[if needs.bias { g.k as usize } else { 0 }], dt)?;
+    let (need_w, need_b) = (grads.weight.is_some(), grads.bias.is_some());
+    if need_w || need_b {
+        let e_w = if need_w { g.w_len() } else { 0 };
+        let e_all = e_w + if need_b { g.k as u64 } else { 0 };
         let (chunk_len, chunks) = chunking(g.npq(), e_all);
         let mut part = Tensor::alloc(op, &dev, &[(e_all * chunks) as usize], DType::F32)?;
         with_elem!(dt, |T| {
+            let dwp = match grads.weight.as_mut() {
+                Some(t) => t.dev_ptr_mut::<T>()?,
+                None => std::ptr::null_mut::<T>(),
+            };
+            let dbp = match grads.bias.as_mut() {
+                Some(t) => t.dev_ptr_mut::<T>()?,
+                None => std::ptr::null_mut::<T>(),
+            };
             let kernel = <T as ConvElem>::BWD_WPART;
             if let Some(cfg) = grid(&dev, kernel.name(), e_all * chunks)? {
                 let args: ConvWPartArgs<T> =
@@ -339,17 +376,16 @@ pub fn conv2d_backward(
             }
             let kernel = <T as ConvElem>::BWD_WSUM;
             if let Some(cfg) = grid(&dev, kernel.name(), e_all)? {
-                let args: ConvWSumArgs<T> = (part.dev_ptr(), dw.dev_ptr_mut()?, db.dev_ptr_mut()?, e_w, e_all, chunks);
+                let args: ConvWSumArgs<T> = (part.dev_ptr(), dwp, dbp, e_w, e_all, chunks);
                 // SAFETY: part holds e_all * chunks floats (written by the launch before, in
-                // stream order); dw holds e_w elements, db e_all - e_w.
+                // stream order); dw holds e_w elements (null when e_w is 0), db e_all - e_w (null
+                // when that is 0), each its own memory.
                 unsafe { dev.launch(kernel, cfg, args) }?;
             }
             Ok::<(), Error>(())
         })?;
-        out.weight = needs.weight.then_some(dw);
-        out.bias = needs.bias.then_some(db);
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -30,9 +30,9 @@ pub use attention::{
 };
 pub use batchnorm::{
     BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, BatchNormGrads, BatchNormOpts, BatchNormStats, Layout2d, batch_norm,
-    batch_norm_backward,
+    batch_norm_backward, batch_norm_backward_out, batch_norm_out,
 };
-pub use conv::{Conv2dGrads, Conv2dOpts, ConvNeeds, conv2d, conv2d_backward, conv2d_out};
+pub use conv::{Conv2dGrads, Conv2dOpts, ConvNeeds, conv2d, conv2d_backward, conv2d_backward_out, conv2d_out};
 pub use cross_entropy::*;
 pub use elementwise::*;
 pub use embedding::{
@@ -45,8 +45,9 @@ pub use linear::*;
 pub use norm::*;
 pub use optim::*;
 pub use pool::{
-    Pool2dOpts, avg_pool2d, avg_pool2d_backward, global_avg_pool2d, global_avg_pool2d_backward, max_pool2d,
-    max_pool2d_backward,
+    Pool2dOpts, avg_pool2d, avg_pool2d_backward, avg_pool2d_backward_out, avg_pool2d_out, global_avg_pool2d,
+    global_avg_pool2d_backward, global_avg_pool2d_backward_out, global_avg_pool2d_out, max_pool2d, max_pool2d_backward,
+    max_pool2d_backward_out, max_pool2d_out,
 };
 pub use reduce::*;
 pub use rope::*;

@@ -9,7 +9,7 @@
 //! element, so they are deterministic.
 
 use super::batchnorm::Layout2d;
-use super::check::{shapes_match, with_elem};
+use super::check::{check_same_device, check_same_dtype, shapes_match, with_elem};
 use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::{IndexTensor, Tensor};
@@ -92,16 +92,38 @@ fn packed(h: usize, w: usize, oh: usize, ow: usize, o: &Pool2dOpts) -> (u64, u64
     (p2(h, w), p2(oh, ow), p2(o.kernel.0, o.kernel.1), p2(o.stride.0, o.stride.1), p2(o.padding.0, o.padding.1))
 }
 
+/// `out` must be a tensor of `like`'s dtype and device of shape `shape`.
+fn check_out(op: &'static str, like: &Tensor, out: &Tensor, shape: &[usize], what: &'static str) -> Result<()> {
+    check_same_device(op, like, out)?;
+    check_same_dtype(op, like, out)?;
+    shapes_match(op, shape, out.shape(), what)
+}
+
 /// Max pooling 2d, as `F.max_pool2d(x, kernel, stride, padding, ceil_mode=...,
 /// return_indices=True)`: the output and the index (`h * W + w` in the plane) of each window's
 /// maximum, the first in row-major order, or the last NaN if the window has one.
 pub fn max_pool2d(x: &Tensor, opts: &Pool2dOpts) -> Result<(Tensor, IndexTensor)> {
     let op = "max_pool2d";
-    let ((n, c, h, w), (oh, ow)) = geometry(op, x.shape(), opts)?;
-    let dev = x.device().clone();
+    let ((n, c, _, _), (oh, ow)) = geometry(op, x.shape(), opts)?;
     let shape = opts.layout.shape(n, c, oh, ow);
-    let mut y = Tensor::alloc(op, &dev, &shape, x.dtype())?;
-    let mut idx = IndexTensor::alloc(op, &dev, &shape)?;
+    let mut y = Tensor::alloc(op, x.device(), &shape, x.dtype())?;
+    let mut idx = IndexTensor::alloc(op, x.device(), &shape)?;
+    max_pool2d_out(x, opts, &mut y, &mut idx)?;
+    Ok((y, idx))
+}
+
+/// [`max_pool2d`] into `y` (the output's shape, x's dtype and device) and `indices` (the
+/// output's shape, memory no clone shares).
+pub fn max_pool2d_out(x: &Tensor, opts: &Pool2dOpts, y: &mut Tensor, indices: &mut IndexTensor) -> Result<()> {
+    let op = "max_pool2d";
+    let ((n, c, h, w), (oh, ow)) = geometry(op, x.shape(), opts)?;
+    let shape = opts.layout.shape(n, c, oh, ow);
+    check_out(op, x, y, &shape, "y must have the output's shape")?;
+    shapes_match(op, &shape, indices.shape(), "indices must have the output's shape")?;
+    if indices.device() != x.device() {
+        return Err(Error::DeviceMismatch { op, expected: x.device().ordinal(), got: indices.device().ordinal() });
+    }
+    let dev = x.device().clone();
     let total = y.numel() as u64;
     let (ihw, ohw, k, s, p) = packed(h, w, oh, ow, opts);
     with_elem!(x.dtype(), |T| {
@@ -110,7 +132,7 @@ pub fn max_pool2d(x: &Tensor, opts: &Pool2dOpts) -> Result<(Tensor, IndexTensor)
             let args: MaxFwdArgs<T> = (
                 x.dev_ptr(),
                 y.dev_ptr_mut()?,
-                idx.dev_ptr_mut(),
+                indices.dev_ptr_mut_unshared(op)?,
                 n as u64,
                 c as u64,
                 ihw,
@@ -120,13 +142,12 @@ pub fn max_pool2d(x: &Tensor, opts: &Pool2dOpts) -> Result<(Tensor, IndexTensor)
                 p,
                 opts.layout.code(),
             );
-            // SAFETY: x holds n c h w elements (its shape), y and idx n c oh ow (new); the
-            // windows stay inside the plane (clipped).
+            // SAFETY: x holds n c h w elements (its shape), y and idx n c oh ow (checked), each
+            // its own memory; the windows stay inside the plane (clipped).
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok((y, idx))
+    })
 }
 
 /// The gradient of [`max_pool2d`]'s input of shape `input_shape`: each element receives the sum
@@ -138,15 +159,25 @@ pub fn max_pool2d_backward(
     opts: &Pool2dOpts,
 ) -> Result<Tensor> {
     let op = "max_pool2d_backward";
-    let ((n, c, h, w), (oh, ow)) = geometry(op, input_shape, opts)?;
+    geometry(op, input_shape, opts)?;
+    let mut dx = Tensor::alloc(op, grad.device(), input_shape, grad.dtype())?;
+    max_pool2d_backward_out(grad, indices, opts, &mut dx)?;
+    Ok(dx)
+}
+
+/// [`max_pool2d_backward`] into `dx`, of the input's shape (grad's dtype and device).
+pub fn max_pool2d_backward_out(grad: &Tensor, indices: &IndexTensor, opts: &Pool2dOpts, dx: &mut Tensor) -> Result<()> {
+    let op = "max_pool2d_backward";
+    let ((n, c, h, w), (oh, ow)) = geometry(op, dx.shape(), opts)?;
     let shape = opts.layout.shape(n, c, oh, ow);
     shapes_match(op, &shape, grad.shape(), "grad must have the output's shape")?;
     shapes_match(op, &shape, indices.shape(), "indices must have the output's shape")?;
     if indices.device() != grad.device() {
         return Err(Error::DeviceMismatch { op, expected: grad.device().ordinal(), got: indices.device().ordinal() });
     }
+    check_same_device(op, grad, dx)?;
+    check_same_dtype(op, grad, dx)?;
     let dev = grad.device().clone();
-    let mut dx = Tensor::alloc(op, &dev, input_shape, grad.dtype())?;
     let total = dx.numel() as u64;
     let (ihw, ohw, k, s, p) = packed(h, w, oh, ow, opts);
     with_elem!(grad.dtype(), |T| {
@@ -165,21 +196,30 @@ pub fn max_pool2d_backward(
                 p,
                 opts.layout.code(),
             );
-            // SAFETY: grad and indices hold n c oh ow elements (checked), dx n c h w (new).
+            // SAFETY: grad and indices hold n c oh ow elements (checked), dx n c h w (its shape),
+            // its own memory.
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok(dx)
+    })
 }
 
 /// Average pooling 2d, as `F.avg_pool2d(x, kernel, stride, padding, ceil_mode,
 /// count_include_pad)`: each window's f32 sum divided by its size (see [`Pool2dOpts`]).
 pub fn avg_pool2d(x: &Tensor, opts: &Pool2dOpts) -> Result<Tensor> {
     let op = "avg_pool2d";
+    let ((n, c, _, _), (oh, ow)) = geometry(op, x.shape(), opts)?;
+    let mut y = Tensor::alloc(op, x.device(), &opts.layout.shape(n, c, oh, ow), x.dtype())?;
+    avg_pool2d_out(x, opts, &mut y)?;
+    Ok(y)
+}
+
+/// [`avg_pool2d`] into `y` (the output's shape, x's dtype and device).
+pub fn avg_pool2d_out(x: &Tensor, opts: &Pool2dOpts, y: &mut Tensor) -> Result<()> {
+    let op = "avg_pool2d";
     let ((n, c, h, w), (oh, ow)) = geometry(op, x.shape(), opts)?;
+    check_out(op, x, y, &opts.layout.shape(n, c, oh, ow), "y must have the output's shape")?;
     let dev = x.device().clone();
-    let mut y = Tensor::alloc(op, &dev, &opts.layout.shape(n, c, oh, ow), x.dtype())?;
     let total = y.numel() as u64;
     let (ihw, ohw, k, s, p) = packed(h, w, oh, ow, opts);
     let flags = opts.layout.code() | if opts.count_include_pad { INCLUDE_PAD } else { 0 };
@@ -187,22 +227,31 @@ pub fn avg_pool2d(x: &Tensor, opts: &Pool2dOpts) -> Result<Tensor> {
         let kernel = <T as PoolElem>::AVG_FWD;
         if let Some(cfg) = launch::elementwise(total, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel.name())?) {
             let args: AvgFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut()?, n as u64, c as u64, ihw, ohw, k, s, p, flags);
-            // SAFETY: x holds n c h w elements, y n c oh ow (new).
+            // SAFETY: x holds n c h w elements, y n c oh ow (checked), its own memory.
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok(y)
+    })
 }
 
 /// The gradient of [`avg_pool2d`]'s input of shape `input_shape`: each element receives the sum
 /// of `grad / divisor` over the windows that contain it.
 pub fn avg_pool2d_backward(grad: &Tensor, input_shape: &[usize], opts: &Pool2dOpts) -> Result<Tensor> {
     let op = "avg_pool2d_backward";
-    let ((n, c, h, w), (oh, ow)) = geometry(op, input_shape, opts)?;
+    geometry(op, input_shape, opts)?;
+    let mut dx = Tensor::alloc(op, grad.device(), input_shape, grad.dtype())?;
+    avg_pool2d_backward_out(grad, opts, &mut dx)?;
+    Ok(dx)
+}
+
+/// [`avg_pool2d_backward`] into `dx`, of the input's shape (grad's dtype and device).
+pub fn avg_pool2d_backward_out(grad: &Tensor, opts: &Pool2dOpts, dx: &mut Tensor) -> Result<()> {
+    let op = "avg_pool2d_backward";
+    let ((n, c, h, w), (oh, ow)) = geometry(op, dx.shape(), opts)?;
     shapes_match(op, &opts.layout.shape(n, c, oh, ow), grad.shape(), "grad must have the output's shape")?;
+    check_same_device(op, grad, dx)?;
+    check_same_dtype(op, grad, dx)?;
     let dev = grad.device().clone();
-    let mut dx = Tensor::alloc(op, &dev, input_shape, grad.dtype())?;
     let total = dx.numel() as u64;
     let (ihw, ohw, k, s, p) = packed(h, w, oh, ow, opts);
     let flags = opts.layout.code() | if opts.count_include_pad { INCLUDE_PAD } else { 0 };
@@ -210,12 +259,12 @@ pub fn avg_pool2d_backward(grad: &Tensor, input_shape: &[usize], opts: &Pool2dOp
         let kernel = <T as PoolElem>::AVG_BWD;
         if let Some(cfg) = launch::elementwise(total, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel.name())?) {
             let args: AvgBwdArgs<T> = (grad.dev_ptr(), dx.dev_ptr_mut()?, n as u64, c as u64, ihw, ohw, k, s, p, flags);
-            // SAFETY: grad holds n c oh ow elements (checked), dx n c h w (new).
+            // SAFETY: grad holds n c oh ow elements (checked), dx n c h w (its shape), its own
+            // memory.
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok(dx)
+    })
 }
 
 /// `(N, C, H W)` of a global pool's input, with the limits of its kernels.
@@ -233,42 +282,60 @@ fn gap_dims(op: &'static str, shape: &[usize], layout: Layout2d) -> Result<(usiz
 /// strided partial sums and a butterfly; NHWC: in increasing position) divided by `H W`.
 pub fn global_avg_pool2d(x: &Tensor, layout: Layout2d) -> Result<Tensor> {
     let op = "global_avg_pool2d";
+    let (n, c, _) = gap_dims(op, x.shape(), layout)?;
+    let mut y = Tensor::alloc(op, x.device(), &layout.shape(n, c, 1, 1), x.dtype())?;
+    global_avg_pool2d_out(x, layout, &mut y)?;
+    Ok(y)
+}
+
+/// [`global_avg_pool2d`] into `y` (the output's shape, x's dtype and device).
+pub fn global_avg_pool2d_out(x: &Tensor, layout: Layout2d, y: &mut Tensor) -> Result<()> {
+    let op = "global_avg_pool2d";
     let (n, c, hw) = gap_dims(op, x.shape(), layout)?;
+    check_out(op, x, y, &layout.shape(n, c, 1, 1), "y must have the output's shape")?;
     let dev = x.device().clone();
-    let mut y = Tensor::alloc(op, &dev, &layout.shape(n, c, 1, 1), x.dtype())?;
     // A warp per plane in NCHW, a thread per plane in NHWC.
     let threads = (n * c) as u64 * if layout == Layout2d::Nchw { 32 } else { 1 };
     with_elem!(x.dtype(), |T| {
         let kernel = <T as PoolElem>::GAP_FWD;
         if let Some(cfg) = launch::one_per_thread(threads) {
             let args: GapFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut()?, n as u64, c as u64, hw as u64, layout.code());
-            // SAFETY: x holds n c hw elements, y n c (new); blocks are whole warps (256 threads).
+            // SAFETY: x holds n c hw elements, y n c (checked), its own memory; blocks are whole
+            // warps (256 threads).
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok(y)
+    })
 }
 
 /// The gradient of [`global_avg_pool2d`]'s input of shape `input_shape`: `grad[n, c] / (H W)`
 /// at every element of the plane.
 pub fn global_avg_pool2d_backward(grad: &Tensor, input_shape: &[usize], layout: Layout2d) -> Result<Tensor> {
     let op = "global_avg_pool2d_backward";
-    let (n, c, hw) = gap_dims(op, input_shape, layout)?;
+    gap_dims(op, input_shape, layout)?;
+    let mut dx = Tensor::alloc(op, grad.device(), input_shape, grad.dtype())?;
+    global_avg_pool2d_backward_out(grad, layout, &mut dx)?;
+    Ok(dx)
+}
+
+/// [`global_avg_pool2d_backward`] into `dx`, of the input's shape (grad's dtype and device).
+pub fn global_avg_pool2d_backward_out(grad: &Tensor, layout: Layout2d, dx: &mut Tensor) -> Result<()> {
+    let op = "global_avg_pool2d_backward";
+    let (n, c, hw) = gap_dims(op, dx.shape(), layout)?;
     shapes_match(op, &layout.shape(n, c, 1, 1), grad.shape(), "grad must have the output's shape")?;
+    check_same_device(op, grad, dx)?;
+    check_same_dtype(op, grad, dx)?;
     let dev = grad.device().clone();
-    let mut dx = Tensor::alloc(op, &dev, input_shape, grad.dtype())?;
     let total = dx.numel() as u64;
     with_elem!(grad.dtype(), |T| {
         let kernel = <T as PoolElem>::GAP_BWD;
         if let Some(cfg) = launch::elementwise(total, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(kernel.name())?) {
             let args: GapBwdArgs<T> = (grad.dev_ptr(), dx.dev_ptr_mut()?, n as u64, c as u64, hw as u64, layout.code());
-            // SAFETY: grad holds n c elements (checked), dx n c hw (new).
+            // SAFETY: grad holds n c elements (checked), dx n c hw (its shape), its own memory.
             unsafe { dev.launch(kernel, cfg, args) }?;
         }
         Ok::<(), Error>(())
-    })?;
-    Ok(dx)
+    })
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@ CPU tensors.
     y.sum().backward()                              # torch.ops.rustkernels.gelu_backward
 
 ``scaled_dot_product_attention`` is ``F.scaled_dot_product_attention`` (bf16/f16, causal, GQA) on
-the library's FlashAttention kernels.
+the library's FlashAttention kernels. ``conv2d``, ``batch_norm``, ``max_pool2d``, ``avg_pool2d``
+and ``adaptive_avg_pool2d`` are the ``F.`` functions of the same names, NCHW or ``channels_last``.
 
 Without PyTorch installed only ``cuda_status`` and the native layer (``kernels_torch._native``)
 are available.
@@ -65,6 +66,7 @@ except ImportError as _e:  # the native layer stays usable (CI checks it without
 
 else:
     from . import _ops, nn
+    from ._conv import adaptive_avg_pool2d, avg_pool2d, batch_norm, conv2d, fold_batch_norm, max_pool2d
     from ._ops import (
         ACTIVATIONS,
         LINEAR_ACTIVATIONS,
@@ -94,16 +96,22 @@ else:
         "ACTIVATIONS",
         "LINEAR_ACTIVATIONS",
         "UNARY_OPS",
+        "adaptive_avg_pool2d",
+        "avg_pool2d",
+        "batch_norm",
+        "conv2d",
         "cross_entropy",
         "cuda_available",
         "cuda_status",
         "embedding",
+        "fold_batch_norm",
         "geglu",
         "get_float32_matmul_precision",
         "glu_act",
         "layer_norm",
         "linear",
         "log_softmax",
+        "max_pool2d",
         "nn",
         "reglu",
         "rms_norm",

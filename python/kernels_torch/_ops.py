@@ -151,6 +151,21 @@ def _functorch_active() -> bool:
     return bool(f and f())
 
 
+def _call_elementwise(name: str, x, *args):
+    """``_call`` for an element-wise op: a ``channels_last`` 4-d tensor (whose memory is dense but
+    not contiguous) runs on its memory in place, as the contiguous ``[N, H, W, C]`` view, and the
+    result is the same kind of view, where a copy would make it contiguous and slower to read
+    back by the NHWC kernels after it."""
+    if (
+        isinstance(x, Tensor)
+        and x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+    ):
+        return _call(name, x.permute(0, 2, 3, 1), *args).permute(0, 3, 1, 2)
+    return _call(name, x, *args)
+
+
 # --- activations ---------------------------------------------------------------------------------
 
 
@@ -230,7 +245,7 @@ def _public(name: str, params: tuple, doc: str):
     if not names:
 
         def fn(x: Tensor) -> Tensor:
-            return _call(name, x)
+            return _call_elementwise(name, x)
 
     else:
 
@@ -239,7 +254,7 @@ def _public(name: str, params: tuple, doc: str):
                 bound = sig.bind(x, *args, **kwargs)
                 bound.apply_defaults()
                 args = tuple(bound.arguments[p] for p in names)
-            return _call(name, x, *(float(a) for a in args))
+            return _call_elementwise(name, x, *(float(a) for a in args))
 
     P = inspect.Parameter
     sig = inspect.Signature(
@@ -264,9 +279,9 @@ FUNCTIONS += ("gelu",)
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     """GELU as ``F.gelu``: the erf form, or the tanh approximation with ``approximate="tanh"``."""
     if approximate == "none":
-        return _call("gelu", x)
+        return _call_elementwise("gelu", x)
     if approximate == "tanh":
-        return _call("gelu_tanh", x)
+        return _call_elementwise("gelu_tanh", x)
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 

@@ -12,10 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _ops
+from . import _conv, _ops
 from ._ops import _DTYPE_CODES
 
 __all__ = [
+    "AdaptiveAvgPool2d",
+    "AvgPool2d",
+    "BatchNorm2d",
+    "Conv2d",
+    "ConvBNReLU",
     "CrossEntropyLoss",
     "Embedding",
     "FusedBiasAct",
@@ -24,6 +29,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "LogSoftmax",
+    "MaxPool2d",
     "ReGLU",
     "RMSNorm",
     "RotaryEmbedding",
@@ -365,3 +371,178 @@ class Embedding(torch.nn.Embedding):
         ):
             return _ops.embedding(input, w, self.padding_idx)
         return super().forward(input)
+
+
+# --- convolution, batch norm, pooling -----------------------------------------------------------
+
+
+def _conv_padding(conv: torch.nn.Conv2d):
+    """The conv's padding as the kernels take it, or None where they do not apply (a padding mode
+    other than zeros, ``"same"`` that pads one side more)."""
+    if conv.padding_mode != "zeros":
+        return None
+    p = conv.padding
+    if p == "valid":
+        return (0, 0)
+    if p == "same":
+        return _conv.same_padding(conv.kernel_size, conv.dilation)
+    return tuple(p)
+
+
+class Conv2d(torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` (same constructor, parameters and ``state_dict``) running
+    ``kernels_torch.conv2d`` on CUDA tensors of float32, bfloat16 or float16, forward and backward;
+    a ``channels_last`` input (and model: ``model.to(memory_format=torch.channels_last)`` makes the
+    weights so too) runs the NHWC kernels in place. Inside ``torch.autocast("cuda", dtype)`` the
+    input and parameters are cast to ``dtype`` first, as autocast casts those of ``F.conv2d``.
+    PyTorch's own for CPU tensors, float64, mixed dtypes outside autocast, ``padding_mode`` other
+    than ``"zeros"`` and a ``"same"`` padding that pads one side more."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        padding = _conv_padding(self)
+        if padding is not None and isinstance(x, Tensor) and x.dim() in (3, 4):
+            ts = _ops._autocast_inputs(x, self.weight, self.bias)
+            if _ours(*ts):
+                return _conv.conv2d(*ts, self.stride, padding, self.dilation, self.groups)
+        return super().forward(x)
+
+
+def _bn_ours(x: Tensor, *params: Optional[Tensor]) -> bool:
+    """Whether the kernels take a batch norm of ``x`` with these per-channel tensors: x 4-d on
+    CUDA of a supported dtype, every given parameter float32 on x's device."""
+    if not (isinstance(x, Tensor) and x.dim() == 4 and x.is_cuda and x.dtype in _DTYPE_CODES):
+        return False
+    return all(p is None or (p.dtype == torch.float32 and p.device == x.device) for p in params)
+
+
+class BatchNorm2d(torch.nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` (same constructor, parameters, buffers and ``state_dict``, the same
+    running-statistics update, ``momentum=None`` included) running ``kernels_torch.batch_norm``
+    on CUDA inputs of float32, bfloat16 or float16 whose parameters and running statistics are
+    float32 (a float32 module, or any under ``torch.autocast``); PyTorch's own otherwise (CPU
+    tensors, float64, a module converted to half precision)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _bn_ours(x, self.weight, self.bias, self.running_mean, self.running_var):
+            return super().forward(x)
+        self._check_input_dim(x)
+        # torch.nn.modules.batchnorm._BatchNorm.forward, with the kernels' batch norm.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats
+        return _conv.batch_norm(
+            x,
+            self.running_mean if keep else None,
+            self.running_var if keep else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            factor,
+            self.eps,
+        )
+
+
+def _pool_ours(x: Tensor, padding, kernel_size) -> bool:
+    if not (isinstance(x, Tensor) and x.dim() in (3, 4) and _ours(x)):
+        return False
+    (ph, pw), (kh, kw) = _conv._pair("pool", "padding", padding), _conv._pair("pool", "kernel_size", kernel_size)
+    return 0 <= ph <= kh // 2 and 0 <= pw <= kw // 2
+
+
+class MaxPool2d(torch.nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` running ``kernels_torch.max_pool2d`` on CUDA tensors of float32,
+    bfloat16 or float16 (``return_indices`` included); PyTorch's for ``dilation`` other than 1,
+    CPU tensors and float64."""
+
+    def forward(self, x: Tensor):
+        if _conv._pair("MaxPool2d", "dilation", self.dilation) == (1, 1) and _pool_ours(
+            x, self.padding, self.kernel_size
+        ):
+            return _conv.max_pool2d(
+                x, self.kernel_size, self.stride, self.padding, 1, self.ceil_mode, self.return_indices
+            )
+        return super().forward(x)
+
+
+class AvgPool2d(torch.nn.AvgPool2d):
+    """``torch.nn.AvgPool2d`` running ``kernels_torch.avg_pool2d`` on CUDA tensors of float32,
+    bfloat16 or float16; PyTorch's for ``divisor_override``, CPU tensors and float64."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.divisor_override is None and _pool_ours(x, self.padding, self.kernel_size):
+            return _conv.avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                    self.count_include_pad)  # fmt: skip
+        return super().forward(x)
+
+
+class AdaptiveAvgPool2d(torch.nn.AdaptiveAvgPool2d):
+    """``torch.nn.AdaptiveAvgPool2d``: to 1 x 1 on the kernels' global average pool (CUDA tensors of
+    float32, bfloat16 or float16); every other output size, and other tensors, PyTorch's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _conv.adaptive_avg_pool2d(x, self.output_size)
+
+
+class ConvBNReLU(torch.nn.Sequential):
+    """``relu(bn(conv(x)))``: a ``Conv2d``, a ``BatchNorm2d`` and a ``ReLU`` of this module (as
+    children ``0``, ``1``, ``2``, so the ``state_dict`` is that of ``torch.nn.Sequential(Conv2d,
+    BatchNorm2d, ReLU)`` and of ``torch.ao.nn.intrinsic.ConvBnReLU2d``).
+
+    Training: the three modules in turn (the kernels' convolution, batch norm with its
+    running-statistics update, relu). Evaluation: the batch norm folded into the convolution's
+    weight and bias (``kernels_torch.fold_batch_norm``: one convolution, then the relu), where
+    the convolution's kernels apply and the batch norm keeps running statistics; otherwise the
+    three modules in turn. The constructor takes ``Conv2d``'s arguments (``bias`` defaults to False,
+    as before a batch norm) and ``BatchNorm2d``'s ``eps`` and ``momentum``; ``from_modules(conv,
+    bn)`` wraps existing ones (their parameters are shared, not copied)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = False,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        kw = {"device": device, "dtype": dtype}
+        super().__init__(
+            Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **kw),
+            BatchNorm2d(out_channels, eps, momentum, **kw),
+            ReLU(),  # noqa: F821 (defined above from the table)
+        )
+
+    @classmethod
+    def from_modules(cls, conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d) -> "ConvBNReLU":
+        """A ``ConvBNReLU`` over ``conv`` and ``bn`` (PyTorch's or ours; PyTorch's are re-classed as
+        this package's, which share their parameters and buffers)."""
+        m = cls.__new__(cls)
+        torch.nn.Sequential.__init__(m, conv, bn, ReLU())  # noqa: F821
+        if type(conv) is torch.nn.Conv2d:
+            conv.__class__ = Conv2d
+        if type(bn) is torch.nn.BatchNorm2d:
+            bn.__class__ = BatchNorm2d
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv, bn = self[0], self[1]
+        if self.training or bn.training or bn.running_mean is None or not isinstance(conv, torch.nn.Conv2d):
+            return self[2](bn(conv(x)))
+        padding = _conv_padding(conv)
+        if padding is None or not (isinstance(x, Tensor) and x.dim() in (3, 4)):
+            return self[2](bn(conv(x)))
+        # Folded in the parameters' precision, then cast as autocast casts the convolution's.
+        w, b = _conv.fold_batch_norm(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+        ts = _ops._autocast_inputs(x, w, b)
+        if not _ours(*ts):
+            return self[2](bn(conv(x)))
+        return _ops.relu(_conv.conv2d(*ts, conv.stride, padding, conv.dilation, conv.groups))

@@ -14,8 +14,9 @@
 //! exception naming the op.
 
 use kernels::ops::{
-    self, Activation, AttentionOpts, BinaryOp, Causal, CrossEntropyOpts, Gemm, Layout, NormGrads, NormStats, Precision,
-    ReduceOp, Reduction, RopeOpts, RopeStyle, ScaleBiasActGrads, UnaryOp,
+    self, Activation, AttentionOpts, BatchNormGrads, BatchNormOpts, BatchNormStats, BinaryOp, Causal, Conv2dGrads,
+    Conv2dOpts, CrossEntropyOpts, Gemm, Layout, Layout2d, NormGrads, NormStats, Pool2dOpts, Precision, ReduceOp,
+    Reduction, RopeOpts, RopeStyle, ScaleBiasActGrads, UnaryOp,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -1063,6 +1064,336 @@ fn embedding_bwd(
     c.run(py, || ops::embedding_backward_out(&grad, &idx, padding_idx, &mut gw))
 }
 
+/// An image layout code: 0 NCHW (`[N, C, H, W]`), 1 NHWC (`[N, H, W, C]`, PyTorch's
+/// `channels_last` memory).
+fn layout2d(op: &str, code: u8) -> PyResult<Layout2d> {
+    match code {
+        0 => Ok(Layout2d::Nchw),
+        1 => Ok(Layout2d::Nhwc),
+        _ => Err(PyValueError::new_err(format!("{op}: layout code {code}: expected 0 (NCHW) or 1 (NHWC)"))),
+    }
+}
+
+/// A rank-4 shape from Python.
+fn dims4(op: &str, what: &str, s: &[usize]) -> PyResult<[usize; 4]> {
+    <[usize; 4]>::try_from(s).map_err(|_| PyValueError::new_err(format!("{op}: {what} must have rank 4, got {s:?}")))
+}
+
+/// A convolution's options; pairs are `(height, width)`.
+fn conv_opts(
+    layout: u8,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> PyResult<Conv2dOpts> {
+    Ok(Conv2dOpts { stride, padding, dilation, groups, layout: layout2d("conv2d", layout)? })
+}
+
+/// 2-d convolution: `x` (`x_shape`, rank 4 in `layout`: 0 NCHW with the filter `[K, C/groups,
+/// R, S]`, 1 NHWC with the filter `[K, R, S, C/groups]`), the filter `w` (`w_shape`) and the
+/// optional `bias` (`[K]`, 0: none), all of the call's dtype, into `y` (`y_shape`, the output's
+/// shape in the layout).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn conv2d_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    x: u64,
+    w: u64,
+    bias: u64,
+    y: u64,
+    x_shape: Vec<usize>,
+    w_shape: Vec<usize>,
+    y_shape: Vec<usize>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let opts = conv_opts(layout, stride, padding, dilation, groups)?;
+    let (xs, ws, ys) =
+        (dims4("conv2d", "x", &x_shape)?, dims4("conv2d", "w", &w_shape)?, dims4("conv2d", "y", &y_shape)?);
+    let k = ws[0];
+    // SAFETY: see `unary_fwd_with`; the bias holds K elements.
+    let (x, w, b, mut y) = unsafe { (c.t(x, &xs)?, c.t(w, &ws)?, c.opt(bias, &[k])?, c.t(y, &ys)?) };
+    c.run(py, || ops::conv2d_out(&x, &w, b.as_ref(), &opts, &mut y))
+}
+
+/// Gradients of `conv2d_fwd` from `dy` (`y_shape`), each into its output where given (not 0):
+/// `dx` (x's shape), `dw` (the filter's), `db` (`[K]`). Arguments as `conv2d_fwd`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn conv2d_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    x: u64,
+    w: u64,
+    dy: u64,
+    dx: u64,
+    dw: u64,
+    db: u64,
+    x_shape: Vec<usize>,
+    w_shape: Vec<usize>,
+    y_shape: Vec<usize>,
+    stride: (usize, usize),
+    padding: (usize, usize),
+    dilation: (usize, usize),
+    groups: usize,
+) -> PyResult<()> {
+    let op = "conv2d_backward";
+    let c = Call::new(device, stream, dtype)?;
+    let opts = conv_opts(layout, stride, padding, dilation, groups)?;
+    let (xs, ws, ys) = (dims4(op, "x", &x_shape)?, dims4(op, "w", &w_shape)?, dims4(op, "dy", &y_shape)?);
+    // SAFETY: see `unary_fwd_with`; the optional ones are absent when 0.
+    let (x, w, dy, mut grads) = unsafe {
+        (
+            c.t(x, &xs)?,
+            c.t(w, &ws)?,
+            c.t(dy, &ys)?,
+            Conv2dGrads { input: c.opt(dx, &xs)?, weight: c.opt(dw, &ws)?, bias: c.opt(db, &[ws[0]])? },
+        )
+    };
+    c.run(py, || ops::conv2d_backward_out(&x, &w, &dy, &opts, &mut grads))
+}
+
+/// Batch norm 2d of `x` (`shape`, rank 4 in `layout`, as `conv2d_fwd`) into `y`, with the
+/// optional f32 `weight`, `bias` (`[C]`, 0: none) and running statistics `running_mean`,
+/// `running_var` (f32 `[C]`, both or neither; updated in place in training, read in
+/// evaluation), saving the f32 `mean` and `invstd` (`[C]`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn batch_norm_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    training: bool,
+    momentum: f32,
+    eps: f32,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    running_mean: u64,
+    running_var: u64,
+    y: u64,
+    mean: u64,
+    invstd: u64,
+    shape: Vec<usize>,
+) -> PyResult<()> {
+    let op = "batch_norm";
+    let c = Call::new(device, stream, dtype)?;
+    let layout = layout2d(op, layout)?;
+    let s = dims4(op, "x", &shape)?;
+    let ch = [layout.dims(op, &s).map_err(to_py)?.1];
+    let opt32 = |p: u64| -> PyResult<Option<Tensor>> {
+        // SAFETY: a live f32 tensor of C elements, or 0 (see `Call::t`).
+        if p == 0 { Ok(None) } else { unsafe { c.f32(p, &ch) }.map(Some) }
+    };
+    let (w, b, mut rm, mut rv) = (opt32(weight)?, opt32(bias)?, opt32(running_mean)?, opt32(running_var)?);
+    // SAFETY: see `unary_fwd_with`; mean and invstd are f32 `[C]`.
+    let (x, mut y, mut stats) =
+        unsafe { (c.t(x, &s)?, c.t(y, &s)?, BatchNormStats { mean: c.f32(mean, &ch)?, invstd: c.f32(invstd, &ch)? }) };
+    let opts = BatchNormOpts { training, momentum, eps, layout };
+    c.run(py, || ops::batch_norm_out(&x, w.as_ref(), b.as_ref(), rm.as_mut(), rv.as_mut(), &opts, &mut y, &mut stats))
+}
+
+/// Gradients of `batch_norm_fwd` from `g` (x's shape) and the saved `mean`, `invstd`: of x into
+/// `gx`, and of the weight and bias (f32 `[C]`) into `gw`, `gb` where given (not 0); `training`
+/// as the forward's.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn batch_norm_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    training: bool,
+    x: u64,
+    weight: u64,
+    mean: u64,
+    invstd: u64,
+    g: u64,
+    gx: u64,
+    gw: u64,
+    gb: u64,
+    shape: Vec<usize>,
+) -> PyResult<()> {
+    let op = "batch_norm_backward";
+    let c = Call::new(device, stream, dtype)?;
+    let layout = layout2d(op, layout)?;
+    let s = dims4(op, "x", &shape)?;
+    let ch = [layout.dims(op, &s).map_err(to_py)?.1];
+    let opt32 = |p: u64| -> PyResult<Option<Tensor>> {
+        // SAFETY: a live f32 tensor of C elements, or 0 (see `Call::t`).
+        if p == 0 { Ok(None) } else { unsafe { c.f32(p, &ch) }.map(Some) }
+    };
+    let (w, dw, db) = (opt32(weight)?, opt32(gw)?, opt32(gb)?);
+    // SAFETY: see `unary_fwd_with`; mean and invstd are f32 `[C]`.
+    let (x, g, stats, dx) = unsafe {
+        (
+            c.t(x, &s)?,
+            c.t(g, &s)?,
+            BatchNormStats { mean: c.f32(mean, &ch)?, invstd: c.f32(invstd, &ch)? },
+            c.t(gx, &s)?,
+        )
+    };
+    let mut grads = BatchNormGrads { x: dx, weight: dw, bias: db };
+    let opts = BatchNormOpts { training, layout, ..BatchNormOpts::default() };
+    c.run(py, || ops::batch_norm_backward_out(&x, w.as_ref(), &stats, &g, &opts, &mut grads))
+}
+
+/// A pooling's options; pairs are `(height, width)`.
+fn pool_opts(
+    op: &str,
+    layout: u8,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    ceil_mode: bool,
+    count_include_pad: bool,
+) -> PyResult<Pool2dOpts> {
+    Ok(Pool2dOpts { kernel, stride, padding, ceil_mode, count_include_pad, layout: layout2d(op, layout)? })
+}
+
+/// Max pooling 2d of `x` (`x_shape`, rank 4 in `layout`) into `y` and the int64 `idx` (both
+/// `y_shape`): each window's maximum and its index `h * W + w` in the plane, as PyTorch's.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn max_pool2d_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    x: u64,
+    y: u64,
+    idx: u64,
+    x_shape: Vec<usize>,
+    y_shape: Vec<usize>,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    ceil_mode: bool,
+) -> PyResult<()> {
+    let op = "max_pool2d";
+    let c = Call::new(device, stream, dtype)?;
+    let opts = pool_opts(op, layout, kernel, stride, padding, ceil_mode, true)?;
+    let (xs, ys) = (dims4(op, "x", &x_shape)?, dims4(op, "y", &y_shape)?);
+    // SAFETY: see `unary_fwd_with`; idx holds the output's count of int64.
+    let (x, mut y, mut idx) =
+        unsafe { (c.t(x, &xs)?, c.t(y, &ys)?, IndexTensor::from_device_ptr(&c.dev, idx, &ys).map_err(to_py)?) };
+    c.run(py, || ops::max_pool2d_out(&x, &opts, &mut y, &mut idx))
+}
+
+/// The input's gradient `gx` (`x_shape`) of `max_pool2d_fwd` from `g` and the saved `idx`
+/// (`y_shape`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn max_pool2d_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    g: u64,
+    idx: u64,
+    gx: u64,
+    x_shape: Vec<usize>,
+    y_shape: Vec<usize>,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    ceil_mode: bool,
+) -> PyResult<()> {
+    let op = "max_pool2d_backward";
+    let c = Call::new(device, stream, dtype)?;
+    let opts = pool_opts(op, layout, kernel, stride, padding, ceil_mode, true)?;
+    let (xs, ys) = (dims4(op, "x", &x_shape)?, dims4(op, "grad", &y_shape)?);
+    // SAFETY: see `max_pool2d_fwd`.
+    let (g, idx, mut gx) =
+        unsafe { (c.t(g, &ys)?, IndexTensor::from_device_ptr(&c.dev, idx, &ys).map_err(to_py)?, c.t(gx, &xs)?) };
+    c.run(py, || ops::max_pool2d_backward_out(&g, &idx, &opts, &mut gx))
+}
+
+/// Average pooling 2d of `x` (`x_shape`) into `y` (`y_shape`), or, with `backward`, the input's
+/// gradient into `y` (`x_shape`) from the output's gradient `x` (`y_shape`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn avg_pool2d(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    backward: bool,
+    x: u64,
+    y: u64,
+    x_shape: Vec<usize>,
+    y_shape: Vec<usize>,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+    ceil_mode: bool,
+    count_include_pad: bool,
+) -> PyResult<()> {
+    let op = "avg_pool2d";
+    let c = Call::new(device, stream, dtype)?;
+    let opts = pool_opts(op, layout, kernel, stride, padding, ceil_mode, count_include_pad)?;
+    let (xs, ys) = (dims4(op, "x", &x_shape)?, dims4(op, "y", &y_shape)?);
+    if backward {
+        // SAFETY: see `unary_fwd_with`.
+        let (g, mut gx) = unsafe { (c.t(x, &ys)?, c.t(y, &xs)?) };
+        c.run(py, || ops::avg_pool2d_backward_out(&g, &opts, &mut gx))
+    } else {
+        // SAFETY: as above.
+        let (x, mut y) = unsafe { (c.t(x, &xs)?, c.t(y, &ys)?) };
+        c.run(py, || ops::avg_pool2d_out(&x, &opts, &mut y))
+    }
+}
+
+/// Global average pooling of `x` (`x_shape`, rank 4 in `layout`) into `y` (`[N, C, 1, 1]` or
+/// `[N, 1, 1, C]`), or, with `backward`, the input's gradient into `y` (`x_shape`) from the
+/// output's gradient `x`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn global_avg_pool2d(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    layout: u8,
+    backward: bool,
+    x: u64,
+    y: u64,
+    x_shape: Vec<usize>,
+) -> PyResult<()> {
+    let op = "global_avg_pool2d";
+    let c = Call::new(device, stream, dtype)?;
+    let layout = layout2d(op, layout)?;
+    let xs = dims4(op, "x", &x_shape)?;
+    let (n, ch, _, _) = layout.dims(op, &xs).map_err(to_py)?;
+    let ps = layout.shape(n, ch, 1, 1);
+    if backward {
+        // SAFETY: see `unary_fwd_with`.
+        let (g, mut gx) = unsafe { (c.t(x, &ps)?, c.t(y, &xs)?) };
+        c.run(py, || ops::global_avg_pool2d_backward_out(&g, layout, &mut gx))
+    } else {
+        // SAFETY: as above.
+        let (x, mut y) = unsafe { (c.t(x, &xs)?, c.t(y, &ps)?) };
+        c.run(py, || ops::global_avg_pool2d_out(&x, layout, &mut y))
+    }
+}
+
 /// Whether the library can run kernels here, and if not why: `(True, "<GPU name>")` or
 /// `(False, "<reason>")`. Initialises device 0 (context, stream, kernel module) when it can.
 #[pyfunction]
@@ -1141,5 +1472,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rope, m)?)?;
     m.add_function(wrap_pyfunction!(embedding_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(embedding_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(conv2d_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(conv2d_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(batch_norm_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(batch_norm_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(max_pool2d_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(max_pool2d_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(avg_pool2d, m)?)?;
+    m.add_function(wrap_pyfunction!(global_avg_pool2d, m)?)?;
     Ok(())
 }

@@ -208,8 +208,8 @@ fn python_wheel(root: &Path) -> Result<Option<PathBuf>, String> {
     wheel.map(Some).ok_or_else(|| format!("maturin wrote no wheel into {}", out.display()))
 }
 
-/// Copies the wheel, the package's tests and its bench script into `dir/python`, and the script
-/// that runs them; returns the manifest lines.
+/// Copies the wheel, the package's tests, its bench scripts and its example into `dir/python`, and
+/// the script that runs them; returns the manifest lines.
 fn python_files(root: &Path, dir: &Path, wheel: &Path) -> Result<String, String> {
     let py = dir.join("python");
     mkdir(&py.join("tests"))?;
@@ -223,7 +223,8 @@ fn python_files(root: &Path, dir: &Path, wheel: &Path) -> Result<String, String>
 ",
         name.to_string_lossy()
     );
-    for bench in ["bench.py", "bench_attention.py"] {
+    mkdir(&py.join("examples"))?;
+    for bench in ["bench.py", "bench_attention.py", "bench_conv.py", "examples/resnet18.py"] {
         copy(&root.join("python").join(bench), &py.join(bench))?;
         lines += &format!(
             "python/{bench}
