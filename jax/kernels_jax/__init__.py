@@ -10,11 +10,11 @@ and ``jax.vmap``, on CUDA devices only.
     y = jax.jit(kj.gelu)(x)                            # the custom call kernels_unary_fwd
     g = jax.grad(lambda x: kj.gelu(x).astype(jnp.float32).sum())(x)   # kernels_unary_bwd
 
-Without JAX installed only ``cuda_status`` and the native layer (``kernels_jax._native``) are
+Without JAX installed only ``cuda_status`` and the native layer (``kernels_jax._jax_native``) are
 available.
 """
 
-from . import _native
+from . import _jax_native as _native
 
 __version__ = "0.1.0"
 

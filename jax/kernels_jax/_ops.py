@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _native
+from . import _jax_native as _native
 
 try:
     _ffi = jax.ffi

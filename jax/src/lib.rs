@@ -1,4 +1,4 @@
-//! `kernels_jax._native`: the `kernels` library's ops as XLA FFI handlers, for JAX's custom calls.
+//! `kernels_jax._jax_native`: the `kernels` library's ops as XLA FFI handlers, for JAX's custom calls.
 //!
 //! The handlers are plain `extern "C"` functions against the XLA FFI's C ABI ([`ffi`], no C++),
 //! one per target of the table in [`ops`]. This module hands them to Python as capsules, which the
@@ -73,7 +73,7 @@ fn cuda_status(py: Python<'_>) -> (bool, String) {
 }
 
 #[pymodule]
-fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _jax_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UNARY_OPS", unary_rows())?;
     m.add("ALIGNMENT", kernels::interop::ALIGNMENT)?;
     m.add_function(wrap_pyfunction!(targets, m)?)?;

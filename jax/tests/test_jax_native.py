@@ -7,7 +7,7 @@ import ctypes as C
 
 import pytest
 
-from kernels_jax import _native
+from kernels_jax import _jax_native as _native
 
 
 class ExtensionBase(C.Structure):

@@ -9,7 +9,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from kernels_jax import _native, _ops  # noqa: E402
+from kernels_jax import _jax_native as _native, _ops  # noqa: E402
 
 
 @pytest.fixture(scope="module")
