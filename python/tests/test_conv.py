@@ -334,12 +334,14 @@ def test_avg_pool2d_against_pytorch(case, dt, channels_last, count_include_pad):
     y = kt.avg_pool2d(x, k, s, p, ceil, count_include_pad)
     dy = layout(randn(*y.shape, seed=70 + case), channels_last).to(dt)
     (gx,) = torch.autograd.grad(y, [x], dy)
-    xr = x.detach().double().requires_grad_()
+    # The references in NCHW: PyTorch's CUDA backward for channels_last inputs with padding is
+    # wrong before pytorch/pytorch#188345 (issue #188344: the padding offset is left out).
+    xr = x.detach().double().contiguous().requires_grad_()
     yr = F.avg_pool2d(xr, k, s, p, ceil, count_include_pad)
-    (rgx,) = torch.autograd.grad(yr, [xr], dy.double())
-    xa = x.detach().double().abs().requires_grad_()
+    (rgx,) = torch.autograd.grad(yr, [xr], dy.double().contiguous())
+    xa = x.detach().double().abs().contiguous().requires_grad_()
     ya = F.avg_pool2d(xa, k, s, p, ceil, count_include_pad)
-    (ga,) = torch.autograd.grad(ya, [xa], dy.double().abs())
+    (ga,) = torch.autograd.grad(ya, [xa], dy.double().abs().contiguous())
     kh, kw = _pair(k)
     what = f"avg_pool2d {POOL_CASES[case]} {dt} include_pad={count_include_pad}"
     within(f"{what} y", y.detach(), yr.detach(), stored(dt, yr.detach(), gamma(kh * kw + 1) * ya.detach()), dt)
