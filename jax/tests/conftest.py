@@ -10,6 +10,10 @@ import pytest
 # JAX takes 75% of the GPU's memory at its first use unless told not to; the library allocates
 # its own (kernel modules, stream-ordered temporaries) beside it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The references are jnp code compiled once per shape; XLA's autotuning of their products took
+# seconds a shape on the H100 (12 of one attention test's 20 s) and changes no result we check.
+if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
 
 @functools.lru_cache(maxsize=None)
