@@ -50,10 +50,16 @@
 //! error message). Across ranks NCCL checks nothing: ranks that call different collectives, or
 //! the same one with different counts or dtypes, or a rank that skips one (because its own
 //! check failed), leave the others waiting on the GPU, a hang the library cannot tell from a
-//! slow peer. A caller whose ranks may disagree exchanges the shapes first (an all-gather of a
-//! small tensor) and aborts every rank's communicator (drop it) on a mismatch. Errors raised
-//! on the GPU side (a peer that died, a network failure) come back from
-//! [`Communicator::async_error`].
+//! slow peer. [`Communicator::set_cross_rank_checks`] closes that gap for the collectives (not
+//! for send and receive): each one first exchanges a small signature with the other ranks
+//! (which collective, dtype, element count, reduction or root, and whether this rank's own
+//! checks passed) and runs only where every rank's matches; otherwise every rank returns an
+//! error and none is left waiting. It costs a small all-gather and a host wait per collective.
+//! What stays undetected: a rank that never calls at all (it died, or took another branch that
+//! issues no collective), and ranks that turned the checks on and off differently; a rank
+//! that died shows as [`Communicator::async_error`] on the others, which then
+//! [`Communicator::abort`]. Errors raised on the GPU side (a peer that died, a network failure)
+//! come back from [`Communicator::async_error`].
 
 use crate::device::{DeviceBuffer, Mark, SideStream};
 use crate::error::{Error, Result};
@@ -61,6 +67,7 @@ use crate::{DType, Device, Tensor};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 use std::cell::{Cell, RefCell};
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The reduction of an all-reduce or a reduce-scatter.
@@ -327,6 +334,58 @@ impl UniqueId {
     }
 }
 
+/// Words of a [`Signature`] on the wire.
+const WORDS: usize = 5;
+
+/// A collective as the cross-rank check compares it (see
+/// [`Communicator::set_cross_rank_checks`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Signature {
+    /// This rank's own checks failed (the rest is then what it could tell).
+    failed: bool,
+    /// 1 all-reduce, 2 all-gather, 3 reduce-scatter, 4 broadcast.
+    kind: u64,
+    dtype: u64,
+    /// Elements of the input.
+    count: u64,
+    /// The reduction, or the broadcast's root.
+    extra: u64,
+}
+
+impl Signature {
+    fn new(kind: u64, x: &Tensor, extra: u64) -> Signature {
+        let dtype = match x.dtype() {
+            DType::F32 => 1,
+            DType::F16 => 2,
+            DType::BF16 => 3,
+        };
+        Signature { failed: false, kind, dtype, count: x.numel() as u64, extra }
+    }
+    fn reduce(kind: u64, x: &Tensor, op: ReduceOp) -> Signature {
+        Signature::new(kind, x, op as u64)
+    }
+    fn words(&self) -> [u64; WORDS] {
+        [self.failed as u64, self.kind, self.dtype, self.count, self.extra]
+    }
+    fn from_words(w: &[u64]) -> Signature {
+        Signature { failed: w[0] != 0, kind: w[1], dtype: w[2], count: w[3], extra: w[4] }
+    }
+}
+
+impl std::fmt::Display for Signature {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = ["?", "all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+        let dtype = ["?", "f32", "f16", "bf16"];
+        let name = |names: &[&'static str], i: u64| names.get(i as usize).copied().unwrap_or("?");
+        write!(f, "{} of {} x {}", name(&kind, self.kind), self.count, name(&dtype, self.dtype))?;
+        match self.kind {
+            1 | 3 => write!(f, " ({})", ["sum", "mean", "max", "min", "prod"].get(self.extra as usize).unwrap_or(&"?")),
+            4 => write!(f, " (root {})", self.extra),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// One rank of an NCCL communicator, on one device. Made by [`Communicator::new_group`] (every
 /// rank in this process) or [`Communicator::from_id`] (one rank per process). Dropping it waits
 /// for the device's work and destroys the communicator; [`Communicator::abort`] does not wait.
@@ -340,6 +399,8 @@ pub struct Communicator {
     world: usize,
     /// The stream of [`Communicator::all_reduce_start`], made at its first call.
     side: OnceLock<SideStream>,
+    /// Whether collectives first agree across ranks ([`Communicator::set_cross_rank_checks`]).
+    checked: AtomicBool,
 }
 
 // SAFETY: the handle is used under the mutex only, with the device's context bound first; NCCL
@@ -388,6 +449,7 @@ impl Communicator {
                     rank,
                     world,
                     side: OnceLock::new(),
+                    checked: AtomicBool::new(false),
                 })
                 .collect(),
         ))
@@ -409,7 +471,15 @@ impl Communicator {
         let r = unsafe { (n.comm_init_rank)(&mut comm, world as c_int, uid, rank as c_int) };
         crate::device::forget_current_context();
         n.check(op, r, std::ptr::null_mut())?;
-        Ok(Communicator { nccl: n, comm: Mutex::new(comm), dev: dev.clone(), rank, world, side: OnceLock::new() })
+        Ok(Communicator {
+            nccl: n,
+            comm: Mutex::new(comm),
+            dev: dev.clone(),
+            rank,
+            world,
+            side: OnceLock::new(),
+            checked: AtomicBool::new(false),
+        })
     }
 
     /// This rank's index, from 0.
@@ -434,6 +504,68 @@ impl Communicator {
         let r = unsafe { (self.nccl.comm_get_async_error)(*comm, &mut state) };
         self.nccl.check("Communicator::async_error", r, *comm)?;
         self.nccl.check("Communicator::async_error", state, *comm)
+    }
+
+    /// Turns the cross-rank check of every later collective of this rank on or off (off by
+    /// default). On, each collective (all-reduce, all-gather, reduce-scatter, broadcast,
+    /// `all_reduce_start`; not send and receive) first all-gathers a signature from every rank:
+    /// the collective, the dtype, the element count, the reduction or root, and whether the
+    /// rank's own checks passed. Where every signature matches, the collective runs; otherwise
+    /// every rank returns an error (a rank whose own check failed, that error; the others
+    /// [`Error::Collective`] naming the first rank that differs) and no rank is left waiting.
+    /// Every rank must set it alike. Inside a [`group`] (one thread driving several ranks,
+    /// whose calls are only recorded) there is nothing to wait on yet, so the exchange is
+    /// skipped there. Costs one small all-gather and a host wait per collective.
+    pub fn set_cross_rank_checks(&self, on: bool) {
+        self.checked.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether [`Communicator::set_cross_rank_checks`] is on.
+    pub fn cross_rank_checks(&self) -> bool {
+        self.checked.load(Ordering::Relaxed)
+    }
+
+    /// The cross-rank check of one collective: `local` is the outcome of this rank's own
+    /// checks. Off (or inside a group), returns `local`; on, returns it too, but only after the
+    /// other ranks have learnt whether it failed, and an error where any rank's signature
+    /// differs.
+    fn agree<T>(&self, op: &'static str, sig: Signature, local: Result<T>) -> Result<T> {
+        if !self.cross_rank_checks() || GROUP_DEPTH.with(Cell::get) > 0 {
+            return local;
+        }
+        let mine = Signature { failed: local.is_err(), ..sig }.words();
+        let mut all = vec![0u64; WORDS * self.world];
+        all[WORDS * self.rank..WORDS * (self.rank + 1)].copy_from_slice(&mine);
+        let mut buf = self.dev.alloc(op, 8 * all.len())?;
+        buf.copy_from_host_async(&all)?;
+        let (p, nccl) = (buf.ptr() as *mut c_void, self.nccl);
+        self.enqueue(op, &[], |c, s| {
+            // SAFETY: `buf` holds WORDS u64 for every rank; this rank's block is its input
+            // (NCCL's in-place all-gather: send = recv + rank * count).
+            let send = unsafe { p.cast::<u64>().add(WORDS * self.rank) }.cast::<c_void>();
+            unsafe { (nccl.all_gather)(send, p, WORDS, ncclDataType_t::ncclUint64, c, s) }
+        })?;
+        buf.copy_to_host(&mut all)?;
+        let local = local?;
+        let theirs = |r: usize| Signature::from_words(&all[WORDS * r..WORDS * (r + 1)]);
+        match (0..self.world).find(|&r| theirs(r) != Signature::from_words(&mine)) {
+            None => Ok(local),
+            Some(r) if theirs(r).failed => {
+                Err(Error::Collective { op, message: format!("rank {r} failed its own checks of this call") })
+            }
+            Some(r) => Err(Error::Collective {
+                op,
+                message: format!("rank {r} calls {}, rank {} calls {}", theirs(r), self.rank, sig),
+            }),
+        }
+    }
+
+    /// `err`, raised by this rank before a collective's own checks, once the other ranks know
+    /// of it (where the cross-rank check is on).
+    fn told(&self, op: &'static str, sig: Signature, err: Error) -> Error {
+        match self.agree::<std::convert::Infallible>(op, sig, Err(err)) {
+            Err(e) => e,
+        }
     }
 
     /// Ends this rank's part at once (`ncclCommAbort`), without waiting for its work: for a
@@ -515,14 +647,15 @@ impl Communicator {
 
     /// The sum (mean, max, min, product) over ranks of `x`, elementwise, into a new tensor.
     pub fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let mut out = x.alloc_like("all_reduce")?;
+        let mut out =
+            x.alloc_like("all_reduce").map_err(|e| self.told("all_reduce", Signature::reduce(1, x, op), e))?;
         self.all_reduce_out(x, &mut out, op)?;
         Ok(out)
     }
 
     /// [`Communicator::all_reduce`] in place: `x` becomes the reduction.
     pub fn all_reduce_(&self, x: &mut Tensor, op: ReduceOp) -> Result<()> {
-        self.check_tensor("all_reduce_", x)?;
+        self.agree("all_reduce_", Signature::reduce(1, x, op), self.check_tensor("all_reduce_", x))?;
         let (n, dt) = (x.numel(), x.dtype());
         let p = Self::out_ptr("all_reduce_", x)?;
         if n == 0 {
@@ -537,7 +670,8 @@ impl Communicator {
 
     /// [`Communicator::all_reduce`] into `out` (same shape and dtype as `x`).
     pub fn all_reduce_out(&self, x: &Tensor, out: &mut Tensor, op: ReduceOp) -> Result<()> {
-        self.check_like("all_reduce", x, out, x.shape(), "out has the shape of x")?;
+        let local = self.check_like("all_reduce", x, out, x.shape(), "out has the shape of x");
+        self.agree("all_reduce", Signature::reduce(1, x, op), local)?;
         let (n, dt) = (x.numel(), x.dtype());
         let p = Self::out_ptr("all_reduce", out)?;
         if n == 0 {
@@ -555,7 +689,8 @@ impl Communicator {
     /// like `torch.distributed.all_gather_into_tensor`.
     pub fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         let shape = self.gathered_shape(x.shape());
-        let mut out = Tensor::alloc("all_gather", x.device(), &shape, x.dtype())?;
+        let mut out = Tensor::alloc("all_gather", x.device(), &shape, x.dtype())
+            .map_err(|e| self.told("all_gather", Signature::new(2, x, 0), e))?;
         self.all_gather_out(x, &mut out)?;
         Ok(out)
     }
@@ -570,7 +705,8 @@ impl Communicator {
     /// [`Communicator::all_gather`] into `out`, of shape `[world * d0, d1, ...]`.
     pub fn all_gather_out(&self, x: &Tensor, out: &mut Tensor) -> Result<()> {
         let shape = self.gathered_shape(x.shape());
-        self.check_like("all_gather", x, out, &shape, "out is world times x along the first dimension")?;
+        let local = self.check_like("all_gather", x, out, &shape, "out is world times x along the first dimension");
+        self.agree("all_gather", Signature::new(2, x, 0), local)?;
         let (n, dt) = (x.numel(), x.dtype());
         let p = Self::out_ptr("all_gather", out)?;
         if n == 0 {
@@ -587,8 +723,10 @@ impl Communicator {
     /// rank), of which this rank keeps block `rank` along the first dimension: shape
     /// `[d0, d1, ...]`, like `torch.distributed.reduce_scatter_tensor`.
     pub fn reduce_scatter(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let shape = self.scattered_shape("reduce_scatter", x.shape())?;
-        let mut out = Tensor::alloc("reduce_scatter", x.device(), &shape, x.dtype())?;
+        let mut out = self
+            .scattered_shape("reduce_scatter", x.shape())
+            .and_then(|shape| Tensor::alloc("reduce_scatter", x.device(), &shape, x.dtype()))
+            .map_err(|e| self.told("reduce_scatter", Signature::reduce(3, x, op), e))?;
         self.reduce_scatter_out(x, &mut out, op)?;
         Ok(out)
     }
@@ -609,8 +747,10 @@ impl Communicator {
 
     /// [`Communicator::reduce_scatter`] into `out`, of shape `[d0 / world, d1, ...]`.
     pub fn reduce_scatter_out(&self, x: &Tensor, out: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let shape = self.scattered_shape("reduce_scatter", x.shape())?;
-        self.check_like("reduce_scatter", x, out, &shape, "out is x's first dimension divided by the world size")?;
+        let local = self.scattered_shape("reduce_scatter", x.shape()).and_then(|shape| {
+            self.check_like("reduce_scatter", x, out, &shape, "out is x's first dimension divided by the world size")
+        });
+        self.agree("reduce_scatter", Signature::reduce(3, x, op), local)?;
         let (n, dt) = (out.numel(), x.dtype());
         let p = Self::out_ptr("reduce_scatter", out)?;
         if n == 0 {
@@ -627,9 +767,8 @@ impl Communicator {
     /// the shape and dtype (the same as the root's).
     pub fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         let op = "broadcast";
-        self.check_tensor(op, x)?;
-        self.check_peer(op, "root", root)?;
-        let mut out = x.alloc_like(op)?;
+        let local = self.check_tensor(op, x).and_then(|()| self.check_peer(op, "root", root));
+        let mut out = self.agree(op, Signature::new(4, x, root as u64), local.and_then(|()| x.alloc_like(op)))?;
         let (n, dt) = (x.numel(), x.dtype());
         let p = Self::out_ptr(op, &mut out)?;
         if n == 0 {
@@ -646,8 +785,8 @@ impl Communicator {
     /// [`Communicator::broadcast`] in place: `x` becomes rank `root`'s `x`.
     pub fn broadcast_(&self, x: &mut Tensor, root: usize) -> Result<()> {
         let op = "broadcast_";
-        self.check_tensor(op, x)?;
-        self.check_peer(op, "root", root)?;
+        let local = self.check_tensor(op, x).and_then(|()| self.check_peer(op, "root", root));
+        self.agree(op, Signature::new(4, x, root as u64), local)?;
         let (n, dt) = (x.numel(), x.dtype());
         let p = Self::out_ptr(op, x)?;
         if n == 0 {
@@ -724,8 +863,9 @@ impl Communicator {
                     .into(),
             });
         }
+        // With the cross-rank check on, one exchange per tensor (a debugging mode: each waits).
         for t in &tensors {
-            self.check_tensor(name, t)?;
+            self.agree(name, Signature::reduce(1, t, op), self.check_tensor(name, t))?;
         }
         // The pointers first: a shared tensor's copy-on-write runs on the device's stream, before
         // the point the reduction waits for.
@@ -965,6 +1105,17 @@ pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signatures_survive_the_wire_and_read_well() {
+        let s = Signature { failed: false, kind: 1, dtype: 3, count: 1001, extra: ReduceOp::Max as u64 };
+        assert_eq!(Signature::from_words(&s.words()), s);
+        assert_eq!(s.to_string(), "all_reduce of 1001 x bf16 (max)");
+        let b = Signature { failed: true, kind: 4, dtype: 1, count: 7, extra: 2 };
+        assert_eq!(Signature::from_words(&b.words()), b);
+        assert_eq!(b.to_string(), "broadcast of 7 x f32 (root 2)");
+        assert_eq!(Signature { kind: 9, dtype: 9, ..b }.to_string(), "? of 7 x ?");
+    }
 
     #[test]
     fn a_missing_library_is_an_error_naming_it() {

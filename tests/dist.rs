@@ -36,6 +36,9 @@ struct Ctx {
 
 type TestFn = Box<dyn FnOnce(&Ctx) -> Result<(), String> + Send>;
 
+/// Whether an error is the expected one.
+type ErrorTest<'a> = &'a dyn Fn(&Error) -> bool;
+
 fn e<E: std::fmt::Display>(err: E) -> String {
     err.to_string()
 }
@@ -288,6 +291,127 @@ fn local_checks(ctx: &Ctx) -> Result<(), String> {
         c.async_error().map_err(e)?;
     }
     Ok(())
+}
+
+/// The cross-rank check (`set_cross_rank_checks`), one thread per rank: ranks that disagree
+/// (shape, dtype, collective, root) or one whose own check fails all get an error and none
+/// waits; afterwards the communicators still work. A hang fails the test after 60 s.
+fn cross_rank_checks(ctx: &Ctx) -> Result<(), String> {
+    let w = ctx.devs.len();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = done.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        if !watch.load(std::sync::atomic::Ordering::SeqCst) {
+            eprintln!("dist/cross_rank_checks: still waiting after 60 s (a hang): exiting");
+            std::process::exit(1);
+        }
+    });
+    for c in ctx.comms.iter() {
+        c.set_cross_rank_checks(true);
+    }
+    let collective = |err: &Error| matches!(err, Error::Collective { .. });
+    // Every rank's outcome of `f(rank, comm)`, run one thread per rank.
+    let outcome = |what: &str, f: &(dyn Fn(usize, &Communicator) -> Result<(), Error> + Sync)| {
+        let r = per_rank(ctx, |r, c| Ok(f(r, c)));
+        r.map_err(|m| format!("{what}: {m}"))
+    };
+    let all_fail = |what: &str, rs: Vec<Result<(), Error>>, own: Option<(usize, ErrorTest)>| {
+        for (r, res) in rs.into_iter().enumerate() {
+            let ok = match (&res, own) {
+                (Err(err), Some((bad, is_own))) if r == bad => is_own(err),
+                (Err(err), _) => collective(err),
+                (Ok(()), _) => false,
+            };
+            if !ok {
+                return Err(format!("{what}: rank {r}: {res:?}"));
+            }
+        }
+        Ok(())
+    };
+    let run = || -> Result<(), String> {
+        let n = 1001;
+        // Agreeing ranks: the result is the sum.
+        let rs = outcome("agree", &|r, c| {
+            let mut x = Tensor::full(&ctx.devs[r], &[n], DType::F32, 1.0)?;
+            c.all_reduce_(&mut x, ReduceOp::Sum)?;
+            let v = x.to_f32_vec()?;
+            if v.iter().any(|&y| y != w as f32) {
+                return Err(Error::InvalidArgument { op: "test", message: format!("sum {:?}", &v[..3]) });
+            }
+            Ok(())
+        })?;
+        if let Some((r, err)) = rs.iter().enumerate().find_map(|(r, x)| x.as_ref().err().map(|e| (r, e))) {
+            return Err(format!("agreeing ranks: rank {r}: {err}"));
+        }
+        // Rank 0 reduces one element more.
+        let rs = outcome("count", &|r, c| {
+            let mut x = Tensor::zeros(&ctx.devs[r], &[n + usize::from(r == 0)], DType::F32)?;
+            c.all_reduce_(&mut x, ReduceOp::Sum)
+        })?;
+        all_fail("count", rs, None)?;
+        // Rank 0 in bf16.
+        let rs = outcome("dtype", &|r, c| {
+            let dt = if r == 0 { DType::BF16 } else { DType::F32 };
+            let mut x = Tensor::zeros(&ctx.devs[r], &[n], dt)?;
+            c.all_reduce_(&mut x, ReduceOp::Max)
+        })?;
+        all_fail("dtype", rs, None)?;
+        // Rank 0 all-gathers while the others all-reduce.
+        let rs = outcome("collective", &|r, c| {
+            let mut x = Tensor::zeros(&ctx.devs[r], &[n], DType::F32)?;
+            if r == 0 { c.all_gather(&x).map(drop) } else { c.all_reduce_(&mut x, ReduceOp::Sum) }
+        })?;
+        all_fail("collective", rs, None)?;
+        // Different roots.
+        let rs = outcome("root", &|r, c| {
+            let x = Tensor::zeros(&ctx.devs[r], &[n], DType::F16)?;
+            c.broadcast(&x, usize::from(r == 0)).map(drop)
+        })?;
+        all_fail("root", rs, None)?;
+        // The last rank's own check fails (an output of the wrong shape): it gets that error,
+        // the others learn of it.
+        let last = w - 1;
+        let rs = outcome("own check", &|r, c| {
+            let x = Tensor::zeros(&ctx.devs[r], &[n], DType::F32)?;
+            let mut out = Tensor::zeros(&ctx.devs[r], &[n - usize::from(r == last)], DType::F32)?;
+            c.all_reduce_out(&x, &mut out, ReduceOp::Sum)
+        })?;
+        all_fail("own check", rs, Some((last, &|e| matches!(e, Error::ShapeMismatch { .. }))))?;
+        // Its reduce-scatter input cannot be split: refused before the output is allocated.
+        let rs = outcome("scatter", &|r, c| {
+            let x = Tensor::zeros(&ctx.devs[r], &[w * 4 + usize::from(r == last)], DType::F32)?;
+            c.reduce_scatter(&x, ReduceOp::Sum).map(drop)
+        })?;
+        all_fail("scatter", rs, Some((last, &|e| matches!(e, Error::ShapeMismatch { .. }))))?;
+        // A tensor on another rank's device.
+        let rs = outcome("device", &|r, c| {
+            let d = if r == last { &ctx.devs[0] } else { &ctx.devs[r] };
+            let x = Tensor::zeros(d, &[n], DType::F32)?;
+            c.all_reduce(&x, ReduceOp::Sum).map(drop)
+        })?;
+        all_fail("device", rs, Some((last, &|e| matches!(e, Error::DeviceMismatch { .. }))))?;
+        // And the communicators still work.
+        let rs = outcome("after", &|r, c| {
+            let mut x = Tensor::full(&ctx.devs[r], &[7], DType::BF16, 2.0)?;
+            c.all_reduce_(&mut x, ReduceOp::Sum)?;
+            let v = x.to_f32_vec()?;
+            if v.iter().any(|&y| y != 2.0 * w as f32) {
+                return Err(Error::InvalidArgument { op: "test", message: format!("sum {v:?}") });
+            }
+            c.async_error()
+        })?;
+        if let Some((r, err)) = rs.iter().enumerate().find_map(|(r, x)| x.as_ref().err().map(|e| (r, e))) {
+            return Err(format!("after the errors: rank {r}: {err}"));
+        }
+        Ok(())
+    };
+    let result = run();
+    for c in ctx.comms.iter() {
+        c.set_cross_rank_checks(false);
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    result
 }
 
 // --- overlap: all_reduce_start and BucketedAllReduce ---------------------------------------------
@@ -566,6 +690,7 @@ fn tests() -> Vec<(String, usize, TestFn)> {
     }
     t.push(("dist/ordered_with_kernels".into(), Box::new(ordered_with_kernels)));
     t.push(("dist/local_checks".into(), Box::new(local_checks)));
+    t.push(("dist/cross_rank_checks".into(), Box::new(cross_rank_checks)));
     t.push(("dist/multi_process".into(), Box::new(multi_process)));
     let mut t: Vec<(String, usize, TestFn)> = t.into_iter().map(|(n, f)| (n, 2, f)).collect();
     // The overlap's machinery and the training invariant hold for a world of one as well.
