@@ -29,7 +29,9 @@
 //! (driver, cuBLAS, cuRAND, NVRTC) at build time, and so does a build with this feature; the
 //! default build needs neither (README, section candle).
 
-use crate::ops::{self, Activation, CrossEntropyOpts, CrossEntropySaved, NormGrads, NormStats, UnaryOp};
+use crate::ops::{
+    self, Activation, CrossEntropyOpts, CrossEntropySaved, NormGrads, NormStats, ScaleBiasActGrads, UnaryOp,
+};
 use crate::{DType, Device, IndexTensor, Tensor};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
@@ -289,6 +291,128 @@ pub fn unary(x: &candle_core::Tensor, op: UnaryOp) -> CResult<candle_core::Tenso
     x.apply_op1(Unary(op))
 }
 
+/// `act(x * scale + bias)` with `scale` and `bias` over the last dimension, one pass
+/// ([`ops::scale_bias_act`]); its backward is [`ops::scale_bias_act_backward`] (the three
+/// gradients in one pass).
+#[derive(Clone, Copy, Debug)]
+pub struct ScaleBiasAct(pub Activation);
+
+impl CustomOp3 for ScaleBiasAct {
+    fn name(&self) -> &'static str {
+        "scale_bias_act"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        s: &CudaStorage,
+        ls: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let rc = rows_cols(self.name(), lx)?;
+        let cols = [rc[1]];
+        let act = self.0;
+        let ins = [input(x, lx, &rc), input(s, ls, &cols), input(b, lb, &cols)];
+        let out = run(self.name(), &ins, x.dtype(), &[&rc], |v| {
+            ops::scale_bias_act_out(&v.t[0], &v.t[1], &v.t[2], act, &mut v.out[0])
+        })?;
+        Ok((out, lx.shape().clone()))
+    }
+    #[allow(clippy::type_complexity)]
+    fn bwd(
+        &self,
+        x: &candle_core::Tensor,
+        s: &candle_core::Tensor,
+        b: &candle_core::Tensor,
+        _: &candle_core::Tensor,
+        g: &candle_core::Tensor,
+    ) -> CResult<(Option<candle_core::Tensor>, Option<candle_core::Tensor>, Option<candle_core::Tensor>)> {
+        let op = ScaleBiasActBackward { act: self.0, bias: b.clone() };
+        let flat = x.apply_op3_no_bwd(s, g, &op)?;
+        let sizes = [x.elem_count(), s.elem_count(), b.elem_count()];
+        let (starts, _) = region_starts(&sizes, x.dtype().size_in_bytes());
+        let part = |i: usize, dims: &[usize]| flat.narrow(0, starts[i], sizes[i])?.reshape(dims);
+        Ok((Some(part(0, x.dims())?), Some(part(1, s.dims())?), Some(part(2, b.dims())?)))
+    }
+}
+
+/// [`ScaleBiasAct`]'s backward on `(x, scale, grad)`, the bias (a fourth input) held by the op:
+/// the gradients of x, scale and bias in one buffer.
+struct ScaleBiasActBackward {
+    act: Activation,
+    bias: candle_core::Tensor,
+}
+
+impl CustomOp3 for ScaleBiasActBackward {
+    fn name(&self) -> &'static str {
+        "scale_bias_act_backward"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        s: &CudaStorage,
+        ls: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let op = self.name();
+        same_shape(op, lx, lg)?;
+        let rc = rows_cols(op, lx)?;
+        let cols = [rc[1]];
+        let (bias, lb) = self.bias.storage_and_layout();
+        let candle_core::Storage::Cuda(b) = &*bias else {
+            return Err(err(op, "the bias is not on a CUDA device"));
+        };
+        let ins = [input(x, lx, &rc), input(s, ls, &cols), input(b, lb, &cols), input(g, lg, &rc)];
+        let act = self.act;
+        let out = run(op, &ins, x.dtype(), &[&rc, &cols, &cols], |v| {
+            let mut o = std::mem::take(&mut v.out).into_iter();
+            let (Some(gx), Some(gs), Some(gb)) = (o.next(), o.next(), o.next()) else {
+                return Err(crate::Error::InvalidArgument { op, message: "three output regions expected".into() });
+            };
+            let mut grads = ScaleBiasActGrads { x: gx, scale: gs, bias: gb };
+            ops::scale_bias_act_backward_out(&v.t[0], &v.t[1], &v.t[2], &v.t[3], act, &mut grads)
+        })?;
+        let n = out_len(&out);
+        Ok((out, Shape::from(n)))
+    }
+}
+
+/// `act(x * scale + bias)`, `scale` and `bias` of the last dimension's size, in one kernel each
+/// way.
+pub fn scale_bias_act(
+    x: &candle_core::Tensor,
+    scale: &candle_core::Tensor,
+    bias: &candle_core::Tensor,
+    act: Activation,
+) -> CResult<candle_core::Tensor> {
+    x.apply_op3(scale, bias, ScaleBiasAct(act))
+}
+
 // --- softmax ----------------------------------------------------------------------------------
 
 /// Softmax (or log-softmax) over the last dimension ([`ops::softmax`]).
@@ -469,7 +593,12 @@ impl CustomOp3 for NormBackward<'_> {
         let stats = self.stats;
         let out = run(op, &ins, x.dtype(), outs, |v| {
             let mut o = std::mem::take(&mut v.out).into_iter();
-            let (Some(gx), Some(gw)) = (o.next(), o.next()) else { unreachable!("two or three regions") };
+            let (Some(gx), Some(gw)) = (o.next(), o.next()) else {
+                return Err(crate::Error::InvalidArgument {
+                    op,
+                    message: "two or three output regions expected".into(),
+                });
+            };
             let mut grads = NormGrads { x: gx, weight: Some(gw), bias: o.next() };
             if rms {
                 ops::rms_norm_backward_out(&v.t[0], Some(&v.t[1]), stats, &v.t[2], &mut grads)

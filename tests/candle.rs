@@ -59,7 +59,9 @@ fn close(what: &str, dt: DType, got: &Tensor, want: &Tensor) -> R<()> {
     };
     let max = w.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        if !((a - b).abs() <= rtol * b.abs() + atol * max) {
+        // Written so that NaN fails.
+        let within = (a - b).abs() <= rtol * b.abs() + atol * max;
+        if !within {
             return Err(format!("{what} ({dt:?}): element {i} is {a}, want {b} (largest |want| {max})"));
         }
     }
@@ -156,6 +158,36 @@ fn activation_case(act: Activation, dt: DType) -> R<()> {
     Ok(())
 }
 
+/// `act(x * scale + bias)` against candle's ops, for the activations the fused op serves most.
+fn scale_bias_act_case(dt: DType) -> R<()> {
+    let dev = cuda()?;
+    let mut cases = layouts(&dev, 61, 7, 33, dt)?;
+    cases.push((View::Plain, tensor(&dev, 64, &[2, 3, 1025], dt)?));
+    for act in [Activation::Silu, Activation::Gelu, Activation::GeluTanh, Activation::Relu, Activation::Sigmoid] {
+        for (view, x) in &cases {
+            let shape = seen(*view, x)?;
+            let cols = *shape.last().ok_or("no dims")?;
+            let (s, b) = (tensor(&dev, 65, &[cols], dt)?, tensor(&dev, 66, &[cols], dt)?);
+            let g = tensor(&dev, 69, &shape, dt)?;
+            let f = |x: &Tensor, s: &Tensor, b: Option<&Tensor>| match b {
+                Some(b) => kernels::candle::scale_bias_act(x, s, b, act),
+                None => Err(candle_core::Error::Msg("no bias".into())),
+            };
+            let ours = norm_grads(x, *view, &s, Some(&b), &g, f)?;
+            let up = |t: &Tensor| t.to_dtype(DType::F32).map_err(e);
+            let r = |x: &Tensor, s: &Tensor, b: Option<&Tensor>| match b {
+                Some(b) => reference(act, &x.broadcast_mul(s)?.broadcast_add(b)?),
+                None => Err(candle_core::Error::Msg("no bias".into())),
+            };
+            let want = norm_grads(&up(x)?, *view, &up(&s)?, Some(&up(&b)?), &up(&g)?, r)?;
+            for (i, part) in ["forward", "dx", "dscale", "dbias"].iter().enumerate() {
+                close(&format!("scale_bias_act {} {part}, {view:?} {shape:?}", act.name()), dt, &ours[i], &want[i])?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn softmax_ref(x: &Tensor, log: bool) -> candle_core::Result<Tensor> {
     let s = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?;
     if log {
@@ -202,7 +234,8 @@ fn norm_ref(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<T
     }
 }
 
-/// Output and the gradients of x, weight (and bias) of a norm, by candle's autograd.
+/// Output and the gradients of x, weight (and bias) of a norm (or of the fused
+/// `act(x * scale + bias)`), by candle's autograd.
 fn norm_grads(
     x: &Tensor,
     view: View,
@@ -305,7 +338,7 @@ fn errors() -> R<()> {
 /// falls.
 fn mlp() -> R<()> {
     let dev = cuda()?;
-    let (n, d, h, c, steps, lr) = (256, 16, 64, 10, 40, 0.5);
+    let (n, d, h, c, steps, lr) = (256, 16, 64, 10, 60, 0.3);
     let x = tensor(&dev, 51, &[n, d], DType::F32)?;
     // Labels from a random linear teacher: learnable.
     let teacher = tensor(&dev, 52, &[d, c], DType::F32)?;
@@ -343,19 +376,22 @@ fn mlp() -> R<()> {
             let grads = loss.backward().map_err(e)?;
             for v in &p {
                 let g = grads.get(v.as_tensor()).ok_or("a parameter got no gradient")?;
-                v.set(&(v.as_tensor() - g.affine(lr, 0.0)?).map_err(e)?).map_err(e)?;
+                let step = g.affine(lr, 0.0).and_then(|s| v.as_tensor() - s).map_err(e)?;
+                v.set(&step).map_err(e)?;
             }
         }
         Ok(curve)
     };
     let (want, got) = (train(false)?, train(true)?);
     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-        if !((a - b).abs() <= 1e-4 * b.abs().max(1.0)) {
+        let within = (a - b).abs() <= 1e-4 * b.abs().max(1.0);
+        if !within {
             return Err(format!("step {i}: loss {a} with our ops, {b} with candle's (curves {got:?} vs {want:?})"));
         }
     }
     let (first, last) = (want[0], want[want.len() - 1]);
-    if !(last < 0.7 * first) {
+    let fell = last < 0.7 * first;
+    if !fell {
         return Err(format!("the loss did not fall: {first} -> {last}"));
     }
     Ok(())
@@ -368,6 +404,7 @@ fn main() -> ExitCode {
         for &act in Activation::ALL {
             tests.push(test(format!("activation_{}_{s}", act.name()), move |_| activation_case(act, dt)));
         }
+        tests.push(test(format!("scale_bias_act_{s}"), move |_| scale_bias_act_case(dt)));
         tests.push(test(format!("softmax_{s}"), move |_| softmax_case(false, dt)));
         tests.push(test(format!("log_softmax_{s}"), move |_| softmax_case(true, dt)));
         tests.push(test(format!("layer_norm_{s}"), move |_| norm_case(false, dt)));

@@ -39,7 +39,7 @@ fn driver_library_present() -> bool {
     ["libcuda.so.1", "libcuda.so", "nvcuda.dll"].iter().any(|name| {
         // SAFETY: opening the NVIDIA driver library runs only its own initialisers, which have no
         // preconditions; the handle is closed at once.
-        unsafe { libloading::Library::new(name) }.is_ok()
+        unsafe { libloading::Library::new(*name) }.is_ok()
     })
 }
 
