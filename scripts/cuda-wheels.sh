@@ -54,3 +54,5 @@ echo "export PATH=\"$ROOT/bin:\$PATH\""
 echo "export CUDA_ROOT=\"$ROOT\""
 # candle's kernels for the H100 (compute capability 9.0); without it the build asks nvidia-smi.
 echo "export CUDA_COMPUTE_CAP=\"\${CUDA_COMPUTE_CAP:-90}\""
+# cudaforge (candle's kernel builder) uses half the cores unless told; here all of them.
+echo "export CUDAFORGE_THREADS=\"\${CUDAFORGE_THREADS:-$(nproc)}\""
