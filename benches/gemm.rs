@@ -441,6 +441,9 @@ fn main() {
             return;
         }
     };
+    // With the feature `candle`, cudarc links cuBLAS (candle's choice) instead of loading it, and
+    // has no probe: a binary that started has it.
+    #[cfg(not(feature = "candle"))]
     // SAFETY: probing whether the shared library can be opened.
     if !unsafe { cublas_sys::is_culib_present() } {
         println!("cuBLAS (libcublas.so.12) not found: set LD_LIBRARY_PATH to its folder; benchmarks skipped");

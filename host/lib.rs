@@ -26,6 +26,9 @@
 //! collectives across GPUs (NCCL), [`error`] the error type, [`interop`] borrowed memory and foreign streams (PyTorch),
 //! [`safetensors`] checkpoints.
 //!
+//! The cargo feature `candle` (off by default) adds the module `candle`: the ops as candle custom ops, with
+//! candle's autograd through the backward kernels. It needs nvcc to build (candle's kernels).
+//!
 //! The cargo feature `internals` (off by default) adds `ops::mathprobe`, which runs the device
 //! math library's functions one by one for the project's own accuracy tests. It is not part of
 //! the stable API: it may change or go in any release.
@@ -33,6 +36,8 @@
 // Every public item says what it is: CI's clippy turns a missing doc into an error.
 #![warn(missing_docs)]
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod device;
 pub mod dist;
 pub mod error;

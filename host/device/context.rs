@@ -23,14 +23,24 @@ pub(super) static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::n
 pub(super) fn init_driver() -> Result<()> {
     pub(super) static INIT: OnceLock<Result<(), Error>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // SAFETY: only probes whether the shared library can be opened. cudarc panics on the
-        // first driver call if it cannot, which this check is here to prevent.
-        if !unsafe { sys::is_culib_present() } {
+        if !driver_library_present() {
             return Err(Error::NoDriver { detail: "the NVIDIA driver library libcuda.so.1 was not found".into() });
         }
         result::init().map_err(|e| Error::NoDriver { detail: format!("cuInit failed: {e:?}") })
     })
     .clone()
+}
+
+/// Whether the driver library can be opened. cudarc panics on the first driver call if it cannot
+/// (when it loads the driver at run time), which this check is here to prevent. Probed here rather
+/// than with cudarc's `is_culib_present`, which exists only in cudarc's loading mode: a build with
+/// candle links the driver instead (see Cargo.toml).
+fn driver_library_present() -> bool {
+    ["libcuda.so.1", "libcuda.so", "nvcuda.dll"].iter().any(|name| {
+        // SAFETY: opening the NVIDIA driver library runs only its own initialisers, which have no
+        // preconditions; the handle is closed at once.
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
 }
 
 /// Forgets which context is current on this thread, so that the next `bind` sets it: for
