@@ -24,6 +24,8 @@
 //! is not contiguous, or whose first element is not 16-byte aligned (a narrowed view), is first
 //! copied to a fresh contiguous buffer by candle. f32, f16 and bf16; other dtypes are refused
 //! with an error naming the op. On the CPU the ops return an error: use candle's own ops there.
+//! The gradients follow PyTorch's conventions: ReLU's derivative at exactly 0 is 0, where
+//! candle's own `relu` takes 1.
 //!
 //! Build: candle's CUDA backend compiles its kernels with nvcc and links the CUDA libraries
 //! (driver, cuBLAS, cuRAND, NVRTC) at build time, and so does a build with this feature; the

@@ -106,7 +106,8 @@ fn reference(act: Activation, x: &Tensor) -> candle_core::Result<Tensor> {
     let softplus = |x: &Tensor| x.exp()?.affine(1.0, 1.0)?.log();
     match act {
         Activation::Identity => x.affine(1.0, 0.0),
-        Activation::Relu => x.relu(),
+        // PyTorch's derivative at 0, which the kernels follow: 0 (candle's own `relu` takes 1).
+        Activation::Relu => x * x.gt(&x.zeros_like()?)?.to_dtype(x.dtype())?,
         Activation::LeakyRelu { negative_slope } => x.relu()? - x.neg()?.relu()?.affine(negative_slope as f64, 0.0)?,
         Activation::Sigmoid => x.neg()?.exp()?.affine(1.0, 1.0)?.recip(),
         Activation::Tanh => x.tanh(),
