@@ -16,6 +16,7 @@ import math
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _native
@@ -587,8 +588,13 @@ _define_softmax("log_softmax", True)
 
 
 def _last_dim(f, x: Tensor, dim: int) -> Tensor:
-    d = dim % x.dim() if x.dim() else 0
-    if d == x.dim() - 1 or x.dim() == 0:
+    if x.dim() == 0:
+        # PyTorch takes a 0-d tensor as one row of one element (dim 0 or -1).
+        if dim not in (0, -1):
+            raise IndexError(f"Dimension out of range (expected to be in range of [-1, 0], but got {dim})")
+        return f(x.reshape(1)).reshape(())
+    d = dim % x.dim()
+    if d == x.dim() - 1:
         return f(x)
     # The kernels work along the last dimension: move `dim` there (the op copies the view).
     return f(x.movedim(d, -1)).movedim(-1, d)
@@ -612,10 +618,9 @@ def _norm_shape(op: str, x: Tensor, normalized_shape: Sequence[int]) -> tuple[in
     k = len(ns)
     if k == 0 or list(x.shape[x.dim() - k :]) != ns or x.dim() < k:
         raise ValueError(f"{NS}::{op}: normalized_shape {ns} must be the last dimensions of x, shape {list(x.shape)}")
-    cols = math.prod(ns)
-    if cols == 0:
-        raise ValueError(f"{NS}::{op}: cannot normalise rows of length 0 (normalized_shape {ns})")
-    return x.numel() // cols, cols, list(x.shape[: x.dim() - k])
+    lead = list(x.shape[: x.dim() - k])
+    # Rows of length 0, or no rows: the output is empty, as PyTorch's (the ops return early).
+    return math.prod(lead), math.prod(ns), lead
 
 
 def _check_param(op: str, name: str, p: Optional[Tensor], x: Tensor, ns: Sequence[int]) -> Optional[Tensor]:
@@ -642,6 +647,8 @@ def layer_norm_op(
     bias = _check_param(op, "bias", bias, x, normalized_shape)
     y = torch.empty_like(x)
     mean, rstd = _new(lead, x, torch.float32), _new(lead, x, torch.float32)
+    if x.numel() == 0:
+        return y, mean, rstd
     dev, stream, dt = _where(x)
     _native.norm_fwd(
         dev, stream, dt, x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
@@ -680,6 +687,10 @@ def layer_norm_backward_op(
     if weight_grad and weight is None:
         raise ValueError(f"{NS}::{op}: a weight gradient needs the weight")
     gx = torch.empty_like(x)
+    if x.numel() == 0:
+        # Sums over no rows (or of empty rows).
+        z = lambda want: x.new_zeros(normalized_shape if want else [0])  # noqa: E731
+        return gx, z(weight_grad), z(bias_grad)
     gw = _new(normalized_shape if weight_grad else [0], x)
     gb = _new(normalized_shape if bias_grad else [0], x)
     dev, stream, dt = _where(x)
@@ -736,6 +747,8 @@ def rms_norm_op(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor]
     weight = _check_param(op, "weight", weight, x, normalized_shape)
     y = torch.empty_like(x)
     rstd = _new(lead, x, torch.float32)
+    if x.numel() == 0:
+        return y, rstd
     dev, stream, dt = _where(x)
     _native.norm_fwd(
         dev, stream, dt, x.data_ptr(), _ptr(weight), 0, y.data_ptr(), 0, rstd.data_ptr(), rows, cols, float(eps)
@@ -765,6 +778,8 @@ def rms_norm_backward_op(
     if weight_grad and weight is None:
         raise ValueError(f"{NS}::{op}: a weight gradient needs the weight")
     gx = torch.empty_like(x)
+    if x.numel() == 0:
+        return gx, x.new_zeros(normalized_shape if weight_grad else [0])
     gw = _new(normalized_shape if weight_grad else [0], x)
     dev, stream, dt = _where(x)
     _native.norm_bwd(
@@ -896,12 +911,76 @@ _autograd(cross_entropy_op, "cross_entropy", _ce_backward, _ce_setup)
 
 
 def cross_entropy(
-    input: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0
+    input: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
 ) -> Tensor:
-    """``F.cross_entropy`` of logits ``[N, C]`` against int64 class indices ``[N]``, fused with the
-    log-softmax; no class weights. An out-of-range target (not ``ignore_index``) is a ValueError
-    naming its row, which costs a synchronisation with the GPU per call."""
-    return _call("cross_entropy", input, target, reduction, ignore_index, label_smoothing)[0]
+    """``F.cross_entropy`` with PyTorch's arguments and shapes.
+
+    - Class indices (int64) without class weights: one fused kernel for the log-softmax and the
+      loss (and one for the backward). Logits ``[N, C]`` with target ``[N]`` as they are; an
+      unbatched ``[C]`` with a 0-d target, and ``[N, C, d1, ...]`` with ``[N, d1, ...]``, with the
+      class dimension moved last first (a copy for the latter); ``reduction="none"`` gives the
+      target's shape back. An out-of-range target (not ``ignore_index``) is a ValueError naming
+      its row, which costs a synchronisation with the GPU per call.
+    - Class weights, or class probabilities as the target (floating point, the input's shape):
+      the log-softmax is ours, the rest PyTorch's own formulas (those of ATen's
+      ``cross_entropy``), so the result is PyTorch's on our log-softmax.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{NS}::cross_entropy: reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if input.dim() == 0:
+        raise ValueError(f"{NS}::cross_entropy: input must have a class dimension, got a 0-d tensor")
+    cd = 0 if input.dim() == 1 else 1
+    c = input.shape[cd]
+    if target.is_floating_point():
+        if target.shape != input.shape:
+            raise ValueError(
+                f"{NS}::cross_entropy: class probabilities must have the input's shape {list(input.shape)}, "
+                f"got {list(target.shape)}"
+            )
+    else:
+        want = list(input.shape[:cd]) + list(input.shape[cd + 1 :])
+        if list(target.shape) != want:
+            raise ValueError(
+                f"{NS}::cross_entropy: logits [N, C, d1, ...] (or [C]) take class indices of shape {want}, "
+                f"got {list(target.shape)}"
+            )
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != c):
+        raise ValueError(f"{NS}::cross_entropy: weight must have C = {c} elements, got shape {list(weight.shape)}")
+    if weight is None and not target.is_floating_point():
+        rows = input if input.dim() == 2 else input.movedim(cd, -1).reshape(-1, c)
+        loss = _call("cross_entropy", rows, target.reshape(-1), reduction, ignore_index, label_smoothing)[0]
+        return loss.reshape(target.shape) if reduction == "none" else loss
+    logp = log_softmax(input, cd)
+    w = None if weight is None else weight.view([c] + [1] * (input.dim() - cd - 1))
+    if target.is_floating_point():
+        t = target * (1 - label_smoothing) + label_smoothing / c if label_smoothing > 0 else target
+        terms = logp * t if w is None else logp * t * w
+        if reduction == "none":
+            return -terms.sum(cd)
+        total = -terms.sum()
+        if reduction == "sum":
+            return total
+        # The mean over the rows (every position of [N, d1, ...]); NaN where there are none.
+        return total / (input.numel() // c) if input.numel() else total * math.nan
+    nll = F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction=reduction)
+    if label_smoothing <= 0:
+        return nll
+    ignored = target == ignore_index
+    smooth = -(logp.sum(cd) if w is None else (logp * w).sum(cd))
+    smooth = smooth.masked_fill(ignored, 0.0)
+    if reduction == "mean":
+        if weight is None:
+            smooth = smooth.sum() / (~ignored).sum()
+        else:
+            smooth = smooth.sum() / weight.gather(0, target.masked_select(~ignored).flatten()).sum()
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / c)
 
 
 # --- linear layer -------------------------------------------------------------------------------

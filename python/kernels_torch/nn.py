@@ -217,19 +217,21 @@ if hasattr(torch.nn, "RMSNorm"):  # PyTorch 2.4+
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
-    """``torch.nn.CrossEntropyLoss`` for logits ``[N, C]`` and int64 class indices ``[N]``; PyTorch's
-    for class weights, class-probability targets and other shapes."""
+    """``torch.nn.CrossEntropyLoss`` on the kernels for CUDA logits of f32, f16 and bf16 with
+    their target (and weight) on the same device: every shape and target form of
+    ``kernels_torch.cross_entropy``; PyTorch's elsewhere."""
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         if (
-            self.weight is None
-            and _ours(input)
-            and input.dim() == 2
-            and target.dtype == torch.int64
-            and target.dim() == 1
+            _ours(input)
+            and input.dim() > 0
             and target.device == input.device
+            and (target.dtype == torch.int64 or target.dtype == input.dtype)
+            and (self.weight is None or self.weight.device == input.device)
         ):
-            return _ops.cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
+            return _ops.cross_entropy(
+                input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing
+            )
         return super().forward(input, target)
 
 
