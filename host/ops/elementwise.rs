@@ -544,30 +544,51 @@ pub fn unary_backward_from_output_out(
 fn check_binary(name: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     check_same_device(name, a, b)?;
     check_same_dtype(name, a, b)?;
-    check_same_shape(name, a, b, "operands must have one shape; use binary_row for a broadcast row")
+    check_same_shape(name, a, b, "operands must have one shape")
 }
 
-/// `a op b`, element-wise, same shapes.
+/// The shape `a op b` broadcasts to, after the device and dtype checks.
+fn check_broadcast(name: &'static str, a: &Tensor, b: &Tensor) -> Result<Vec<usize>> {
+    check_same_device(name, a, b)?;
+    check_same_dtype(name, a, b)?;
+    super::broadcast_shape(a.shape(), b.shape()).ok_or_else(|| Error::ShapeMismatch {
+        op: name,
+        expected: a.shape().to_vec(),
+        got: b.shape().to_vec(),
+        detail: "operands broadcast (aligned at the last dimension, each pair equal or one of them 1)",
+    })
+}
+
+/// `a op b`, element-wise, broadcast by NumPy's rules: same shapes in one kernel; otherwise the
+/// operand that differs from the result's shape is first materialised at it
+/// ([`broadcast_to`](super::broadcast_to); for a row along the last dimension,
+/// [`binary_row`] does it in one kernel).
 pub fn binary(a: &Tensor, b: &Tensor, op: BinaryOp) -> Result<Tensor> {
-    check_binary("binary", a, b)?;
-    let mut out = a.alloc_like("binary")?;
+    let shape = check_broadcast("binary", a, b)?;
+    let mut out = Tensor::alloc("binary", a.device(), &shape, a.dtype())?;
     binary_out(a, b, op, &mut out)?;
     Ok(out)
 }
 
-/// `a op b` into `out`.
+/// `a op b` into `out`, of the broadcast shape.
 pub fn binary_out(a: &Tensor, b: &Tensor, op: BinaryOp, out: &mut Tensor) -> Result<()> {
     let name = "binary_out";
-    check_binary(name, a, b)?;
-    check_binary(name, a, out)?;
-    launch_binary(name, a.dev_ptr_u64(), b, out.dev_ptr_mut::<u8>()? as u64, op)
+    let shape = check_broadcast(name, a, b)?;
+    check_same_device(name, a, out)?;
+    check_same_dtype(name, a, out)?;
+    super::check::shapes_match(name, &shape, out.shape(), "out has the operands' broadcast shape")?;
+    let (a, b) = (super::broadcast::expanded(a, &shape)?, super::broadcast::expanded(b, &shape)?);
+    launch_binary(name, a.dev_ptr_u64(), &b, out.dev_ptr_mut::<u8>()? as u64, op)
 }
 
-/// `a = a op b`.
+/// `a = a op b`, `b` broadcast to `a`'s shape.
 pub fn binary_(a: &mut Tensor, b: &Tensor, op: BinaryOp) -> Result<()> {
-    check_binary("binary_", a, b)?;
+    let name = "binary_";
+    let shape = check_broadcast(name, a, b)?;
+    super::check::shapes_match(name, a.shape(), &shape, "b broadcasts to a's shape (a is written in place)")?;
+    let b = super::broadcast::expanded(b, &shape)?;
     let p = a.dev_ptr_mut::<u8>()? as u64;
-    launch_binary("binary_", p, b, p, op)
+    launch_binary(name, p, &b, p, op)
 }
 
 fn launch_binary(name: &'static str, a: u64, b: &Tensor, out: u64, op: BinaryOp) -> Result<()> {
@@ -587,8 +608,25 @@ fn launch_binary(name: &'static str, a: u64, b: &Tensor, out: u64, op: BinaryOp)
 /// As in PyTorch's autograd, a gradient that equals `grad` is `grad` itself, a clone sharing its
 /// memory (copy-on-write, see [`Tensor`]): both of `add`'s and `sub`'s `grad_a`; `sub`'s
 /// `grad_b` is one `neg` kernel. `mul` and `div` run one kernel for both.
+///
+/// Operands of different shapes (broadcast): each gradient is summed down to its operand's shape
+/// ([`sum_to`](super::sum_to)) from the gradients at the broadcast shape.
 pub fn binary_backward(a: &Tensor, b: &Tensor, grad: &Tensor, op: BinaryOp) -> Result<(Tensor, Tensor)> {
     let name = "binary_backward";
+    if a.shape() != b.shape() {
+        let shape = check_broadcast(name, a, b)?;
+        check_same_device(name, a, grad)?;
+        check_same_dtype(name, a, grad)?;
+        super::check::shapes_match(name, &shape, grad.shape(), "grad has the operands' broadcast shape")?;
+        use super::broadcast::{expanded, reduced};
+        let (ga, gb) = match op {
+            // Neither operand takes part: no need to materialise them.
+            BinaryOp::Add => (grad.clone(), grad.clone()),
+            BinaryOp::Sub => (grad.clone(), unary(grad, UnaryOp::Neg)?),
+            BinaryOp::Mul | BinaryOp::Div => binary_backward(&expanded(a, &shape)?, &expanded(b, &shape)?, grad, op)?,
+        };
+        return Ok((reduced(ga, a.shape())?, reduced(gb, b.shape())?));
+    }
     check_binary(name, a, b)?;
     check_binary(name, a, grad)?;
     match op {

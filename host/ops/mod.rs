@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod batchnorm;
+pub mod broadcast;
 pub mod cast;
 pub mod conv;
 pub mod cross_entropy;
@@ -32,6 +33,7 @@ pub use batchnorm::{
     BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, BatchNormGrads, BatchNormOpts, BatchNormStats, Layout2d, batch_norm,
     batch_norm_backward, batch_norm_backward_out, batch_norm_out,
 };
+pub use broadcast::{broadcast_shape, broadcast_to, permute, sum_to};
 pub use conv::{Conv2dGrads, Conv2dOpts, ConvNeeds, conv2d, conv2d_backward, conv2d_backward_out, conv2d_out};
 pub use cross_entropy::*;
 pub use elementwise::*;
@@ -68,6 +70,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::cross_entropy::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::reduce::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::transpose::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::broadcast::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_tf32x3::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::gemm_wgmma::all_kernels().map(|k| (k.name.to_string(), k.arity)));

@@ -40,6 +40,7 @@ macro_rules! unroll {
 
 pub mod attention;
 pub mod batchnorm;
+pub mod broadcast;
 pub mod cast;
 pub mod conv;
 pub mod cross_entropy;
