@@ -12,8 +12,16 @@
 //! the forward `C/g * R * S` (+1 with a bias), backward-data `K/g * R * S`, backward-weight and
 //! bias `N * P * Q` (the chunked sum is one more order of the same terms). The forward of bf16
 //! and f16 in NHWC with one group and `C % 8 == 0` runs on the tensor cores, whose adds
-//! truncate: there the accumulation's bound is the tensor-core GEMM's, `tc_bound_terms(R S C, 1)
-//! * 2^-23 * M` (its derivation is in tests/common/reference.rs).
+//! truncate: there the accumulation's bound is the tensor-core GEMM's,
+//! `tc_bound_terms(R S C, 1) * 2^-23 * M` (its derivation is in tests/common/reference.rs).
+//! Where also `K % 8 == 0`, the
+//! input's and the filter's gradients run on the tensor cores too: backward-data is a GEMM over
+//! `R S K` (`tc_bound_terms(R S K, 1)`; the taps that read no output are zeros, which add no
+//! error), backward-weight one over each chunk of the `N P Q` terms, whose `chunks` f32 partials
+//! are then added in order with rounding to nearest: at most `18 ceil(N P Q / 16) 2^-23 M` for
+//! the chunks (each chunk's terms are at most `N P Q`, their magnitudes sum to `M`) plus `chunks
+//! 2^-24 M` for the adds, i.e. `tc_bound_terms(N P Q, chunks) * 2^-23 * M`, with `chunks` at
+//! most `ceil(N P Q / 32)` (chunk lengths are multiples of 32, `ops::conv::tc_wgrad_chunking`).
 //!
 //! Shapes: a deterministic sweep over sizes 1 and primes, odd spatial sizes the stride does not
 //! divide, strides 1-3, paddings 0-3, dilations 1-2, groups 1, 2 and depthwise, filters 1x1 to
@@ -154,6 +162,12 @@ fn tensor_cores(c: &Case, dt: DType) -> bool {
     dt != DType::F32 && c.nhwc && c.groups == 1 && c.c.is_multiple_of(8) && c.c > 0
 }
 
+/// Whether the backward of `c` in `dt` computes dx and dw on the tensor cores
+/// (`ops::conv::uses_tensor_cores_backward`, for aligned tensors).
+fn tensor_cores_bwd(c: &Case, dt: DType) -> bool {
+    tensor_cores(c, dt) && c.k.is_multiple_of(8) && c.k > 0
+}
+
 fn gamma(l: usize) -> f64 {
     let lu = l as f64 * 2f64.powi(-24);
     lu / (1.0 - lu)
@@ -243,8 +257,11 @@ fn fwd_ref(c: &Case, dt: DType, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Want
     Want { v, mag, unit }
 }
 
-/// `(dx, dw, db)`.
-fn bwd_ref(c: &Case, x: &[f32], w: &[f32], dy: &[f32]) -> (Want, Want, Want) {
+/// `(dx, dw, db)`, with the bounds of `dt`'s path (see the module). On the tensor cores the
+/// zeros of the taps that read no output (dx) and of the padding (dw) are multiplied too: a
+/// non-finite filter value `w[k, r, s, c]` makes NaN all of `dx[.., c]`, a non-finite `dy[n, p,
+/// q, k]` all of `dw[k, ..]`.
+fn bwd_ref(c: &Case, dt: DType, x: &[f32], w: &[f32], dy: &[f32]) -> (Want, Want, Want) {
     let (mut dx, mut dxm) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     let (mut dw, mut dwm) = (vec![0.0; w.len()], vec![0.0; w.len()]);
     let (mut db, mut dbm) = (vec![0.0; c.k], vec![0.0; c.k]);
@@ -270,11 +287,26 @@ fn bwd_ref(c: &Case, x: &[f32], w: &[f32], dy: &[f32]) -> (Want, Want, Want) {
         }
     }
     let npq = c.n * c.p() * c.q();
-    (
-        Want { v: dx, mag: dxm, unit: gamma(c.kg() * c.r * c.s) },
-        Want { v: dw, mag: dwm, unit: gamma(npq) },
-        Want { v: db, mag: dbm, unit: gamma(npq) },
-    )
+    let tc = tensor_cores_bwd(c, dt);
+    if tc {
+        // NHWC filter [K, R, S, C]: the channel is the flat index mod C.
+        for (e, _) in w.iter().enumerate().filter(|(_, v)| !v.is_finite()) {
+            dx.iter_mut().skip(e % c.c).step_by(c.c).for_each(|v| *v = f64::NAN);
+        }
+        // NHWC dy [N, P, Q, K]: the filter is the flat index mod K.
+        for (i, _) in dy.iter().enumerate().filter(|(_, v)| !v.is_finite()) {
+            let per = c.cg() * c.r * c.s;
+            dw[(i % c.k) * per..(i % c.k + 1) * per].iter_mut().for_each(|v| *v = f64::NAN);
+        }
+    }
+    let (ux, uw) = if tc {
+        let u = common::reference::U;
+        let tb = common::reference::tc_bound_terms;
+        (tb(c.k * c.r * c.s, 1) * u, tb(npq, npq.div_ceil(32)) * u)
+    } else {
+        (gamma(c.kg() * c.r * c.s), gamma(npq))
+    };
+    (Want { v: dx, mag: dxm, unit: ux }, Want { v: dw, mag: dwm, unit: uw }, Want { v: db, mag: dbm, unit: gamma(npq) })
 }
 
 /// Inputs of a case: `(x, w, bias, dy)`, rounded to `dt`, standard normal (no overflow in f16 at
@@ -309,7 +341,7 @@ fn run_case(dev: &Device, c: &Case, dt: DType, x: &[f32], w: &[f32], b: &[f32], 
     if dx.shape() != c.x_shape() || dw.shape() != c.w_shape() || db.shape() != [c.k] {
         return Err(format!("{what}: gradient shapes {:?} {:?} {:?}", dx.shape(), dw.shape(), db.shape()));
     }
-    let (wx, ww, wb) = bwd_ref(c, x, w, dy);
+    let (wx, ww, wb) = bwd_ref(c, dt, x, w, dy);
     check(&format!("{what} dx"), dt, &dx.to_f32_vec().map_err(e)?, &wx)?;
     check(&format!("{what} dw"), dt, &dw.to_f32_vec().map_err(e)?, &ww)?;
     check(&format!("{what} db"), dt, &db.to_f32_vec().map_err(e)?, &wb)?;
@@ -417,7 +449,7 @@ fn out_determinism_and_subsets(dev: &Device) -> Result<(), String> {
                 return Err(format!("{c:?} {dt:?}: two backward runs differ"));
             }
         }
-        let (wx, ww, wb) = bwd_ref(c, &x, &w, &dy);
+        let (wx, ww, wb) = bwd_ref(c, dt, &x, &w, &dy);
         for needs in [
             ConvNeeds { input: true, weight: false, bias: false },
             ConvNeeds { input: false, weight: true, bias: false },
@@ -496,7 +528,7 @@ fn finite_differences(dev: &Device) -> Result<(), String> {
         .map_err(e)?;
         let dx = grads.input.ok_or("no dx")?.to_f32_vec().map_err(e)?;
         let dw = grads.weight.ok_or("no dw")?.to_f32_vec().map_err(e)?;
-        let (wx, ww, _) = bwd_ref(&c, &x, &w, &g);
+        let (wx, ww, _) = bwd_ref(&c, dt, &x, &w, &g);
         let step = 0.5f32;
         for (which, len) in [(0, x.len()), (1, w.len())] {
             for i in (0..len).step_by(7) {
@@ -573,6 +605,9 @@ fn empty_sizes(dev: &Device) -> Result<(), String> {
             Case { h: 2, ..base },
             Case { h: 0, w: 0, ..base },
             Case { h: 0, w: 0, pad: (1, 1), r: 1, s: 1, ..base },
+            // The tensor-core backward's conditions: no terms (dx zeros on the tensor cores).
+            Case { c: 8, k: 8, h: 2, ..base },
+            Case { c: 8, k: 8, n: 0, ..base },
         ] {
             let c = Case { nhwc, ..c };
             let dt = DType::BF16;
@@ -662,9 +697,77 @@ fn tensor_core_tiles(dev: &Device) -> Result<(), String> {
     Ok(())
 }
 
+/// The backward on the tensor cores: several tiles of rows, columns and reduction (K and C not
+/// multiples of the tile, `N H W` and `N P Q` neither), strides 1 and 2 (and 1 x 2), padding,
+/// dilation, 1x1, 3x3 and 7x7 filters, one and many chunks of the weight gradient's terms, taps
+/// that read only padding; then, into NaN-filled gradients (`conv2d_backward_out`), a second run
+/// bit for bit equal to the first.
+fn tensor_core_backward(dev: &Device) -> Result<(), String> {
+    let base = Case {
+        n: 2,
+        c: 64,
+        h: 12,
+        w: 12,
+        k: 136,
+        r: 3,
+        s: 3,
+        stride: (1, 1),
+        pad: (1, 1),
+        dil: (1, 1),
+        groups: 1,
+        nhwc: true,
+        bias: true,
+    };
+    let cases = [
+        base,
+        Case { c: 136, k: 64, h: 11, w: 13, stride: (2, 2), ..base },
+        Case { n: 3, c: 8, h: 17, w: 17, k: 16, r: 7, s: 7, stride: (2, 2), pad: (3, 3), ..base },
+        Case { c: 24, h: 13, w: 13, k: 200, r: 1, s: 1, stride: (2, 2), pad: (0, 0), ..base },
+        Case { c: 40, h: 9, w: 9, k: 24, r: 1, s: 1, pad: (0, 0), bias: false, ..base },
+        Case { n: 1, c: 16, h: 30, w: 9, k: 16, dil: (2, 1), pad: (2, 0), ..base },
+        Case { n: 4, c: 8, h: 32, w: 32, k: 8, ..base },
+        Case { c: 16, k: 24, h: 10, w: 15, r: 1, s: 3, stride: (1, 2), pad: (0, 1), ..base },
+        Case { n: 3, c: 8, h: 1, w: 1, k: 8, stride: (3, 3), pad: (3, 3), ..base },
+    ];
+    let bits = |t: &Tensor| -> Result<Vec<u32>, String> {
+        Ok(t.to_f32_vec().map_err(e)?.into_iter().map(f32::to_bits).collect())
+    };
+    for (i, c) in cases.iter().enumerate() {
+        for dt in [DType::BF16, DType::F16] {
+            if !tensor_cores_bwd(c, dt) {
+                return Err(format!("{c:?} {dt:?}: the backward would not run on the tensor cores"));
+            }
+            let (x, w, b, dy) = inputs(c, dt, 400 + i as u64);
+            run_case(dev, c, dt, &x, &w, &b, &dy)?;
+            let (xt, wt, dyt) = (
+                tensor(dev, &x, &c.x_shape(), dt)?,
+                tensor(dev, &w, &c.w_shape(), dt)?,
+                tensor(dev, &dy, &c.y_shape(), dt)?,
+            );
+            let g1 = ops::conv2d_backward(&xt, &wt, &dyt, &c.opts(), ConvNeeds::ALL).map_err(e)?;
+            let mut g2 = ops::Conv2dGrads {
+                input: Some(nan_tensor(dev, &c.x_shape(), dt)?),
+                weight: Some(nan_tensor(dev, &c.w_shape(), dt)?),
+                bias: Some(nan_tensor(dev, &[c.k], dt)?),
+            };
+            ops::conv2d_backward_out(&xt, &wt, &dyt, &c.opts(), &mut g2).map_err(e)?;
+            for (a, b, name) in
+                [(&g1.input, &g2.input, "dx"), (&g1.weight, &g2.weight, "dw"), (&g1.bias, &g2.bias, "db")]
+            {
+                let (a, b) = (a.as_ref().ok_or("missing")?, b.as_ref().ok_or("missing")?);
+                if bits(a)? != bits(b)? {
+                    return Err(format!("{c:?} {dt:?}: two backward runs differ in {name}"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     run(vec![
         test("tensor_core_tiles", tensor_core_tiles),
+        test("tensor_core_backward", tensor_core_backward),
         test("forward_and_backward_match_f64", forward_and_backward_match_f64),
         test("out_determinism_and_subsets", out_determinism_and_subsets),
         test("finite_differences", finite_differences),

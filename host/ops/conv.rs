@@ -1,4 +1,4 @@
-//! 2-d convolution (host side of `kernels-gpu/src/conv.rs`): [`conv2d`] and its gradients
+//! 2-d convolution (host side of `kernels-gpu/src/conv/`): [`conv2d`] and its gradients
 //! [`conv2d_backward`], as PyTorch's `F.conv2d` with stride, padding, dilation and groups.
 //!
 //! Layouts ([`Layout2d`]): NHWC, `x` `[N, H, W, C]` with the filter `[K, R, S, C/groups]`
@@ -6,9 +6,10 @@
 //! `[K, C/groups, R, S]`, `[N, K, P, Q]`. Every tensor is dense in its layout.
 //!
 //! The forward of bf16 and f16 in NHWC with one group and `C % 8 == 0` runs on the tensor
-//! cores (an implicit GEMM, [`uses_tensor_cores`]); everything else, and every backward, runs
-//! the general kernels: every shape, deterministic, f32 accumulation, one thread per result (not
-//! yet fast).
+//! cores (an implicit GEMM, [`uses_tensor_cores`]), and so do the input's and the filter's
+//! gradients where also `K % 8 == 0` ([`uses_tensor_cores_backward`]); everything else, and the
+//! bias's gradient, runs the general kernels: every shape, deterministic, f32 accumulation, one
+//! thread per result (not fast).
 
 use super::check::{check_same_device, check_same_dtype, shapes_match, with_elem};
 use crate::DType;
@@ -17,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::launch;
 use crate::tensor::Tensor;
 use kernels_gpu::conv::{
-    ConvBwdDataArgs, ConvElem, ConvFwdArgs, ConvGeom, ConvTcArgs, ConvWPartArgs, ConvWSumArgs, out_size, tc_applies,
-    tc_kernel,
+    ConvBwdDataArgs, ConvDgradTcArgs, ConvElem, ConvFwdArgs, ConvGeom, ConvTcArgs, ConvWPartArgs, ConvWSumArgs,
+    ConvWgradTcArgs, out_size, tc_applies, tc_bwd_applies, tc_bwd_kernels, tc_kernel,
 };
 use kernels_gpu::gemm::EPI_IDENTITY;
 use kernels_gpu::gemm_epilogue::{Epilogue, PAIR, QUAD};
@@ -183,6 +184,52 @@ pub fn uses_tensor_cores(dtype: DType, g: &ConvGeom) -> bool {
         && g.npq().div_ceil(tc::BM as u64) <= i32::MAX as u64
 }
 
+/// Whether [`conv2d_backward`] of `dtype` on the problem `g` ([`geometry`]) computes the input's
+/// and the filter's gradients on the tensor cores (the bias's stays on the general kernels):
+/// bf16 or f16, NHWC, one group, C and K multiples of 8 (each 16-byte chunk of dy, the filter
+/// and x is 8 contiguous elements), and both implicit GEMMs within their grids: `N H W` and `N P
+/// Q` rows with a tile's 128 more below 2^32, `R S K` and `R S C` below 2^31, C and K within
+/// 65535 tiles of 128. (Tensors not 16-byte aligned, as views from elsewhere may be, also take
+/// the general kernels.)
+pub fn uses_tensor_cores_backward(dtype: DType, g: &ConvGeom) -> bool {
+    let (r, s) = (g.r as u64, g.s as u64);
+    let nhw = g.n as u64 * g.h as u64 * g.w as u64;
+    let tiles = |v: u32| (v as u64).div_ceil(tc::BN as u64);
+    tc_bwd_applies(dtype, g)
+        && nhw + tc::BM as u64 <= u32::MAX as u64
+        && g.npq() + tc::BM as u64 <= u32::MAX as u64
+        && r * s * g.c as u64 <= i32::MAX as u64
+        && r * s * g.k as u64 <= i32::MAX as u64
+        && tiles(g.c) <= 65_535
+        && tiles(g.k) <= 65_535
+}
+
+/// Blocks (tiles times chunks) the tensor-core weight gradient aims at: a constant, so that the
+/// chunks, and with them the results' bits, depend on the shape alone.
+const TC_WGRAD_BLOCKS: u64 = 1024;
+// So that the chunks fit the grid's z dimension.
+const _: () = assert!(TC_WGRAD_BLOCKS <= 65_535);
+/// The fewest terms of a chunk of the tensor-core weight gradient (8 stages).
+const TC_WGRAD_MIN_TERMS: u64 = 256;
+/// The most floats of its partials (1 GiB), unless a single chunk needs more.
+const TC_WGRAD_PART_MAX: u64 = 1 << 28;
+
+/// The tensor-core weight gradient's cut of the `N P Q` terms: `(chunk_len, chunks)`, the
+/// length a multiple of 32 (the tile's stage), every chunk starting inside the terms; `(0, 0)`
+/// for none. A function of the shape only.
+pub fn tc_wgrad_chunking(g: &ConvGeom) -> (u32, u32) {
+    let npq = g.npq();
+    let rsc = g.r as u64 * g.s as u64 * g.c as u64;
+    let e_w = g.k as u64 * rsc;
+    if npq == 0 || e_w == 0 {
+        return (0, 0);
+    }
+    let tiles = (g.k as u64).div_ceil(tc::BM as u64) * rsc.div_ceil(tc::BN as u64);
+    let want = (TC_WGRAD_BLOCKS / tiles).min(TC_WGRAD_PART_MAX / e_w).min(npq.div_ceil(TC_WGRAD_MIN_TERMS)).max(1);
+    let len = npq.div_ceil(want).next_multiple_of(tc::BK as u64);
+    (len as u32, npq.div_ceil(len) as u32)
+}
+
 /// The tensor-core forward (see [`uses_tensor_cores`]; something to compute).
 fn fwd_tc(g: &ConvGeom, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, y: &mut Tensor) -> Result<()> {
     let dev = x.device().clone();
@@ -291,6 +338,11 @@ pub(crate) fn chunking(npq: u64, e_all: u64) -> (u64, u64) {
 /// output's shape), those `needs` asks for. Deterministic: every sum in a fixed order, in f32,
 /// rounded once (the filter's and bias's over `N P Q` terms in consecutive chunks, added in
 /// order). `db[k]` is the sum of `dy` over `N, P, Q`.
+///
+/// Non-finite values: on the tensor cores ([`uses_tensor_cores_backward`]) the taps that read no
+/// output (dx) and the padding (dw) are multiplied as zeros, so there a NaN or infinity in the
+/// filter at channel `c` makes NaN all of `dx[.., c]`, and one in `dy` at filter `k` all of
+/// `dw[k]` (the general kernels skip those terms).
 pub fn conv2d_backward(
     x: &Tensor,
     w: &Tensor,
@@ -338,54 +390,133 @@ pub fn conv2d_backward_out(
     }
     let dev = x.device().clone();
     let dt = x.dtype();
+    // Tensors wrapped from elsewhere (PyTorch's views) may start off 16 bytes.
+    let aligned = |ts: &[&Tensor]| ts.iter().all(|t| t.dev_ptr_u64().is_multiple_of(16));
+    let tc = uses_tensor_cores_backward(dt, &g) && aligned(&[x, w, dy]);
     if let Some(dx) = grads.input.as_mut() {
         let total = dx.numel() as u64;
-        with_elem!(dt, |T| {
-            let kernel = <T as ConvElem>::BWD_DATA;
-            if let Some(cfg) = grid(&dev, kernel.name(), total)? {
-                let args: ConvBwdDataArgs<T> = (g, dy.dev_ptr(), w.dev_ptr(), dx.dev_ptr_mut()?, total);
-                // SAFETY: dy, w and dx have the shapes of `g` (checked), dense, of T; dx's memory
-                // is its own.
-                unsafe { dev.launch(kernel, cfg, args) }?;
-            }
-            Ok::<(), Error>(())
-        })?;
+        if tc && total > 0 && aligned(&[dx]) {
+            dgrad_tc(&g, dy, w, dx)?;
+        } else {
+            with_elem!(dt, |T| {
+                let kernel = <T as ConvElem>::BWD_DATA;
+                if let Some(cfg) = grid(&dev, kernel.name(), total)? {
+                    let args: ConvBwdDataArgs<T> = (g, dy.dev_ptr(), w.dev_ptr(), dx.dev_ptr_mut()?, total);
+                    // SAFETY: dy, w and dx have the shapes of `g` (checked), dense, of T; dx's
+                    // memory is its own.
+                    unsafe { dev.launch(kernel, cfg, args) }?;
+                }
+                Ok::<(), Error>(())
+            })?;
+        }
     }
-    let (need_w, need_b) = (grads.weight.is_some(), grads.bias.is_some());
-    if need_w || need_b {
-        let e_w = if need_w { g.w_len() } else { 0 };
-        let e_all = e_w + if need_b { g.k as u64 } else { 0 };
-        let (chunk_len, chunks) = chunking(g.npq(), e_all);
-        let mut part = Tensor::alloc(op, &dev, &[(e_all * chunks) as usize], DType::F32)?;
-        with_elem!(dt, |T| {
-            let dwp = match grads.weight.as_mut() {
-                Some(t) => t.dev_ptr_mut::<T>()?,
-                None => std::ptr::null_mut::<T>(),
-            };
-            let dbp = match grads.bias.as_mut() {
-                Some(t) => t.dev_ptr_mut::<T>()?,
-                None => std::ptr::null_mut::<T>(),
-            };
-            let kernel = <T as ConvElem>::BWD_WPART;
-            if let Some(cfg) = grid(&dev, kernel.name(), e_all * chunks)? {
-                let args: ConvWPartArgs<T> =
-                    (g, x.dev_ptr(), dy.dev_ptr(), part.dev_ptr_mut()?, e_w, e_all, chunk_len, chunks);
-                // SAFETY: x and dy have the shapes of `g`, dense, of T; part holds e_all * chunks
-                // floats, and every chunk starts below N P Q (`chunking`).
-                unsafe { dev.launch(kernel, cfg, args) }?;
-            }
-            let kernel = <T as ConvElem>::BWD_WSUM;
-            if let Some(cfg) = grid(&dev, kernel.name(), e_all)? {
-                let args: ConvWSumArgs<T> = (part.dev_ptr(), dwp, dbp, e_w, e_all, chunks);
-                // SAFETY: part holds e_all * chunks floats (written by the launch before, in
-                // stream order); dw holds e_w elements (null when e_w is 0), db e_all - e_w (null
-                // when that is 0), each its own memory.
-                unsafe { dev.launch(kernel, cfg, args) }?;
-            }
-            Ok::<(), Error>(())
-        })?;
+    match grads.weight.as_mut() {
+        Some(dw) if tc && g.npq() > 0 => {
+            wgrad_tc(&g, x, dy, dw)?;
+            w_general(&g, x, dy, None, grads.bias.as_mut())
+        }
+        dw => w_general(&g, x, dy, dw, grads.bias.as_mut()),
     }
-    Ok(())
+}
+
+/// The tensor-core backward-data (see [`uses_tensor_cores_backward`]; x, w, dy and dx 16-byte
+/// aligned, something to compute).
+fn dgrad_tc(g: &ConvGeom, dy: &Tensor, w: &Tensor, dx: &mut Tensor) -> Result<()> {
+    let dev = dy.device().clone();
+    let (kernel, _) = tc_bwd_kernels(dy.dtype()).ok_or_else(|| Error::InvalidArgument {
+        op: "conv2d_backward",
+        message: "internal: no tensor-core kernel for f32".into(),
+    })?;
+    let nhw = g.n as u64 * g.h as u64 * g.w as u64;
+    let cfg = LaunchConfig {
+        grid: (nhw.div_ceil(tc::BM as u64) as u32, (g.c as u64).div_ceil(tc::BN as u64) as u32, 1),
+        block: (tc::THREADS, 1, 1),
+        shared_bytes: tc::SMEM_BYTES,
+    };
+    let args: ConvDgradTcArgs = (*g, dy.dev_ptr(), w.dev_ptr(), dx.dev_ptr_mut()?);
+    // SAFETY: dy is [N, P, Q, K], w [K, R, S, C] and dx [N, H, W, C] of the kernel's dtype
+    // (checked), dense, 16-byte aligned, C and K multiples of 8 and one group
+    // (`uses_tensor_cores_backward`); dx's memory is its own; the grid covers N H W rows and C
+    // columns.
+    unsafe { dev.launch(kernel, cfg, args) }
+}
+
+/// The tensor-core weight gradient (see [`uses_tensor_cores_backward`]; x, w and dy 16-byte
+/// aligned, `N P Q > 0`): the chunks' partials ([`tc_wgrad_chunking`]), then their ordered sum.
+fn wgrad_tc(g: &ConvGeom, x: &Tensor, dy: &Tensor, dw: &mut Tensor) -> Result<()> {
+    let op = "conv2d_backward";
+    let dev = x.device().clone();
+    let (_, kernel) = tc_bwd_kernels(x.dtype())
+        .ok_or_else(|| Error::InvalidArgument { op, message: "internal: no tensor-core kernel for f32".into() })?;
+    let e_w = g.w_len();
+    let (chunk_len, chunks) = tc_wgrad_chunking(g);
+    if chunks == 0 {
+        return w_general(g, x, dy, Some(dw), None);
+    }
+    let rsc = g.r as u64 * g.s as u64 * g.c as u64;
+    let mut part = Tensor::alloc(op, &dev, &[(e_w * chunks as u64) as usize], DType::F32)?;
+    let cfg = LaunchConfig {
+        grid: (rsc.div_ceil(tc::BN as u64) as u32, (g.k as u64).div_ceil(tc::BM as u64) as u32, chunks),
+        block: (tc::THREADS, 1, 1),
+        shared_bytes: tc::SMEM_BYTES,
+    };
+    let args: ConvWgradTcArgs = (*g, x.dev_ptr(), dy.dev_ptr(), part.dev_ptr_mut()?, chunk_len);
+    // SAFETY: x is [N, H, W, C] and dy [N, P, Q, K] of the kernel's dtype (checked), dense,
+    // 16-byte aligned, C and K multiples of 8, one group (`uses_tensor_cores_backward`); part
+    // holds `chunks` slices of K R S C floats, its own memory; every chunk starts inside N P Q
+    // (`tc_wgrad_chunking`); the grid covers R S C columns, K rows and the chunks.
+    unsafe { dev.launch(kernel, cfg, args) }?;
+    with_elem!(x.dtype(), |T| {
+        let kernel = <T as ConvElem>::BWD_WSUM;
+        if let Some(cfg) = grid(&dev, kernel.name(), e_w)? {
+            let args: ConvWSumArgs<T> =
+                (part.dev_ptr(), dw.dev_ptr_mut()?, std::ptr::null_mut(), e_w, e_w, chunks as u64);
+            // SAFETY: part holds e_w * chunks floats (written by the launch before, in stream
+            // order); dw holds e_w elements, its own memory; no bias items (e_all = e_w).
+            unsafe { dev.launch(kernel, cfg, args) }?;
+        }
+        Ok::<(), Error>(())
+    })
+}
+
+/// The general kernels' filter and bias gradients, those given.
+fn w_general(g: &ConvGeom, x: &Tensor, dy: &Tensor, dw: Option<&mut Tensor>, db: Option<&mut Tensor>) -> Result<()> {
+    let op = "conv2d_backward";
+    if dw.is_none() && db.is_none() {
+        return Ok(());
+    }
+    let dev = x.device().clone();
+    let e_w = if dw.is_some() { g.w_len() } else { 0 };
+    let e_all = e_w + if db.is_some() { g.k as u64 } else { 0 };
+    let (chunk_len, chunks) = chunking(g.npq(), e_all);
+    let mut part = Tensor::alloc(op, &dev, &[(e_all * chunks) as usize], DType::F32)?;
+    with_elem!(x.dtype(), |T| {
+        let dwp = match dw {
+            Some(t) => t.dev_ptr_mut::<T>()?,
+            None => std::ptr::null_mut::<T>(),
+        };
+        let dbp = match db {
+            Some(t) => t.dev_ptr_mut::<T>()?,
+            None => std::ptr::null_mut::<T>(),
+        };
+        let kernel = <T as ConvElem>::BWD_WPART;
+        if let Some(cfg) = grid(&dev, kernel.name(), e_all * chunks)? {
+            let args: ConvWPartArgs<T> =
+                (*g, x.dev_ptr(), dy.dev_ptr(), part.dev_ptr_mut()?, e_w, e_all, chunk_len, chunks);
+            // SAFETY: x and dy have the shapes of `g`, dense, of T; part holds e_all * chunks
+            // floats, and every chunk starts below N P Q (`chunking`).
+            unsafe { dev.launch(kernel, cfg, args) }?;
+        }
+        let kernel = <T as ConvElem>::BWD_WSUM;
+        if let Some(cfg) = grid(&dev, kernel.name(), e_all)? {
+            let args: ConvWSumArgs<T> = (part.dev_ptr(), dwp, dbp, e_w, e_all, chunks);
+            // SAFETY: part holds e_all * chunks floats (written by the launch before, in stream
+            // order); dw holds e_w elements (null when e_w is 0), db e_all - e_w (null when that
+            // is 0), each its own memory.
+            unsafe { dev.launch(kernel, cfg, args) }?;
+        }
+        Ok::<(), Error>(())
+    })
 }
 
 #[cfg(test)]
@@ -402,6 +533,48 @@ mod tests {
             // Every chunk starts inside the terms and together they cover them.
             assert!((chunks - 1) * len < npq && chunks * len >= npq, "{npq} {e}: {len} x {chunks}");
             assert!(e * chunks <= WPART_THREADS.max(e), "{npq} {e}");
+        }
+    }
+
+    #[test]
+    fn tensor_core_weight_chunks() {
+        let g = ConvGeom {
+            n: 64,
+            c: 64,
+            h: 56,
+            w: 56,
+            k: 64,
+            r: 3,
+            s: 3,
+            p: 56,
+            q: 56,
+            groups: 1,
+            stride_h: 1,
+            stride_w: 1,
+            pad_h: 1,
+            pad_w: 1,
+            dil_h: 1,
+            dil_w: 1,
+            nhwc: 1,
+            pad: 0,
+        };
+        assert_eq!(tc_wgrad_chunking(&ConvGeom { n: 0, ..g }), (0, 0));
+        for g in [
+            g,
+            ConvGeom { n: 1, h: 3, w: 3, p: 3, q: 3, ..g },
+            ConvGeom { n: 1, h: 1, w: 1, p: 1, q: 1, ..g },
+            ConvGeom { c: 2048, k: 512, r: 1, s: 1, h: 7, w: 7, p: 7, q: 7, pad_h: 0, pad_w: 0, ..g },
+            ConvGeom { c: 512, k: 512, h: 7, w: 7, p: 7, q: 7, ..g },
+            ConvGeom { n: 256, c: 8, k: 8, h: 224, w: 224, r: 7, s: 7, p: 112, q: 112, ..g },
+            ConvGeom { c: 4096, k: 4096, r: 7, s: 7, h: 1, w: 1, p: 1, q: 1, pad_h: 3, pad_w: 3, ..g },
+        ] {
+            let (len, chunks) = tc_wgrad_chunking(&g);
+            let (len, chunks, npq) = (len as u64, chunks as u64, g.npq());
+            assert!(len >= 1 && chunks >= 1 && len.is_multiple_of(tc::BK as u64), "{g:?}: {len} x {chunks}");
+            // Every chunk starts inside the terms and together they cover them.
+            assert!((chunks - 1) * len < npq && chunks * len >= npq, "{g:?}: {len} x {chunks}");
+            assert!(chunks <= TC_WGRAD_BLOCKS, "{g:?}: {chunks}");
+            assert!(chunks == 1 || chunks * g.w_len() <= TC_WGRAD_PART_MAX, "{g:?}: {chunks}");
         }
     }
 
@@ -438,6 +611,21 @@ mod tests {
             ConvGeom { n: 1 << 21, ..g },
         ] {
             assert!(!uses_tensor_cores(DType::BF16, &other), "{other:?}");
+        }
+        assert!(uses_tensor_cores_backward(DType::BF16, &g) && uses_tensor_cores_backward(DType::F16, &g));
+        assert!(!uses_tensor_cores_backward(DType::F32, &g));
+        for other in [
+            ConvGeom { nhwc: 0, ..g },
+            ConvGeom { groups: 2, ..g },
+            ConvGeom { c: 3, ..g },
+            ConvGeom { k: 12, ..g },
+            ConvGeom { k: 0, ..g },
+            // N H W past 32-bit rows (N P Q too).
+            ConvGeom { n: 1 << 21, ..g },
+            // N H W past 32-bit rows, N P Q not (a strided 1x1).
+            ConvGeom { n: 1 << 19, h: 112, w: 112, r: 1, s: 1, p: 56, q: 56, stride_h: 2, stride_w: 2, ..g },
+        ] {
+            assert!(!uses_tensor_cores_backward(DType::BF16, &other), "{other:?}");
         }
         assert_eq!(output_shape(&g), vec![64, 56, 56, 64]);
         assert_eq!(output_shape(&ConvGeom { nhwc: 0, k: 8, p: 3, q: 5, ..g }), vec![64, 8, 3, 5]);

@@ -128,7 +128,7 @@ impl InType for crate::dtype::F16 {
     }
 }
 
-// The tile machinery is shared with the convolution's implicit GEMM (`conv.rs`).
+// The tile machinery is shared with the convolution's implicit GEMM (`conv/`).
 #[cfg(target_arch = "nvptx64")]
 pub(crate) mod device {
     use super::*;

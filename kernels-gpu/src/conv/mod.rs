@@ -13,6 +13,23 @@
 //! zero-filled otherwise. The filter, `[K, R, S, C]`, is B stored `n x k` as it is. The
 //! epilogue (bias, rounding) is the GEMM's.
 //!
+//! The tensor-core backward (bf16 and f16, NHWC, one group, `C % 8 == 0` and `K % 8 == 0`:
+//! [`tc_bwd_applies`]), on the same tile and main loop:
+//! - Backward-data ([`ConvDgradTcArgs`]): `dX[N H W, C] = A[N H W, R S K] @ B[R S K, C]`, the
+//!   reduction ordered `(r, s, k)`. A's chunk for row `(n, h, w)` and 8 filters `k..k + 8` of
+//!   tap `(r, s)` is `dy[n, p, q, k..k + 8]` where `p = (h + pad_h - r dil_h) / stride_h` is
+//!   exact and below P (and `q` alike), zero-filled otherwise; B is the filter as stored,
+//!   `w[k, r, s, c..c + 8]`, read with C as the output column. For stride `s > 1` the taps whose
+//!   division is inexact are zero-filled rather than skipped: correct for every stride, at up to
+//!   `s_h s_w` times the useful work (the cost of one kernel for all strides).
+//! - Backward-weight ([`ConvWgradTcArgs`]): `dW[K, R S C] = dy^T[K, N P Q] @ im2col(x)[N P Q, R
+//!   S C]`, the `N P Q` terms cut into chunks of a length the host derives from the shape alone;
+//!   each chunk's tile is written in f32 to a workspace and [`ConvWSumArgs`]'s pass adds the
+//!   chunks in order and rounds once, so the result is deterministic. A is dy read as the `N P Q
+//!   x K` matrix it is (rows along M); B's chunk for term `(n, p, q)` and columns `(r, s,
+//!   c..c + 8)` is `x[n, p stride_h - pad_h + r dil_h, .., c..c + 8]`, zero-filled on the padding.
+//!   The bias gradient stays on the general kernels.
+//!
 //! Indexing is logical: `x[n, c, h, w]`, `w[k, c', r, s]` (`c'` the channel within the group),
 //! `y[n, k, p, q]`, each tensor's memory order given by [`ConvGeom::nhwc`] (see [`Strides`]).
 //! Output position `p` reads input row `p * stride_h - pad_h + r * dil_h` for filter row `r`;
@@ -238,6 +255,122 @@ pub type ConvTcArgs = (ConvGeom, *const u16, *const u16, crate::gemm_epilogue::E
 /// channels a multiple of 8 (every A chunk is 16 contiguous bytes of one filter tap).
 pub const fn tc_applies(dtype: crate::DType, g: &ConvGeom) -> bool {
     !matches!(dtype, crate::DType::F32) && g.nhwc != 0 && g.groups == 1 && g.c.is_multiple_of(8) && g.c > 0
+}
+
+/// `(geom, dy, w, dx)`: the tensor-core backward-data (see the module); tile `blockIdx.x` of
+/// `N H W` rows, `blockIdx.y` of C columns. Conditions: [`tc_bwd_applies`], every pointer
+/// 16-byte aligned, `N H W + 128` within u32.
+pub type ConvDgradTcArgs = (ConvGeom, *const u16, *const u16, *mut u16);
+
+/// `(geom, x, dy, part, chunk_len)`: the tensor-core backward-weight's partials (see the
+/// module); tile `blockIdx.y` of K rows, `blockIdx.x` of `R S C` columns, chunk `j =
+/// blockIdx.z` of the `N P Q` terms `[j chunk_len, (j + 1) chunk_len)` (cut to `N P Q`), written
+/// in f32 to `part[j K R S C + e]`, `e` the filter's flat (`[K, R, S, C]`) index: the layout of
+/// [`ConvWSumArgs`]'s partials. Conditions: [`tc_bwd_applies`], 16-byte aligned pointers, `N P
+/// Q + 128` within u32.
+pub type ConvWgradTcArgs = (ConvGeom, *const u16, *const u16, *mut f32, u32);
+
+/// Whether the tensor-core backward (both kernels) takes a problem of `dtype`: the forward's
+/// conditions ([`tc_applies`]) and `K % 8 == 0`, `K > 0`: every 16-byte chunk of dy (8 filters
+/// of one pixel), of the filter read `[k][r][s][c..c + 8]` and of x (8 channels of one tap) is
+/// contiguous and aligned. The host adds the grid's limits.
+pub const fn tc_bwd_applies(dtype: crate::DType, g: &ConvGeom) -> bool {
+    tc_applies(dtype, g) && g.k.is_multiple_of(8) && g.k > 0
+}
+
+/// A flat index `i` split as `(a, b, c) = (i / (nb nc), (i / nc) % nb, i % nc)` and carried
+/// forward by steps without dividing: the tap `(r, s, k)` of a reduction index (`nb = S`, `nc =
+/// K` or `C`), or the output position `(n, p, q)` of a row of `N P Q` (`nb = P`, `nc = Q`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Walk {
+    /// The outer index (unbounded: it runs past its extent when the walk does).
+    pub a: u32,
+    /// The middle index, below `nb`.
+    pub b: u32,
+    /// The inner index, below `nc`.
+    pub c: u32,
+}
+
+impl Walk {
+    /// The split of `i` (`nb`, `nc` at least 1).
+    #[inline(always)]
+    pub const fn at(i: u32, nb: u32, nc: u32) -> Walk {
+        Walk { a: i / nc / nb, b: (i / nc) % nb, c: i % nc }
+    }
+    /// `step` positions on: one loop turn per carry out of `c` (`step / nc` turns or one more).
+    #[inline(always)]
+    pub fn advance(&mut self, step: u32, nb: u32, nc: u32) {
+        self.c += step;
+        while self.c >= nc {
+            self.c -= nc;
+            self.b += 1;
+            if self.b == nb {
+                self.b = 0;
+                self.a += 1;
+            }
+        }
+    }
+}
+
+/// Backward-data's gather in u32 for the tensor cores: the output position `o < len` whose tap
+/// `r` reads the input row `hp - pad` (`hp` = the row plus the padding), i.e. `o stride = hp -
+/// r dil`, if exact and in range ([`ConvGeom::dst`] for `hp = h + pad`). The host keeps `hp`
+/// below 2^31.
+#[inline(always)]
+pub const fn dst_padded(hp: u32, r: u32, stride: u32, dil: u32, len: u32) -> Option<u32> {
+    let t = hp as i64 - r as i64 * dil as i64;
+    if t < 0 {
+        return None;
+    }
+    let t = t as u32;
+    let o = if stride == 1 {
+        t
+    } else if !t.is_multiple_of(stride) {
+        return None;
+    } else {
+        t / stride
+    };
+    if o < len { Some(o) } else { None }
+}
+
+impl ConvGeom {
+    /// Backward-data's A on the tensor cores (NHWC, one group): the offset in `dy[n]` of the
+    /// element for the dx row with `(hp, wp) = (h + pad_h, w + pad_w)` and the reduction index
+    /// `tap = (r, s, k)`, i.e. of `dy[n, p, q, k]`, or `None` where the tap reads no output.
+    #[inline(always)]
+    pub const fn dgrad_dy_offset(&self, hp: u32, wp: u32, tap: Walk) -> Option<u64> {
+        let (Some(p), Some(q)) = (
+            dst_padded(hp, tap.a, self.stride_h, self.dil_h, self.p),
+            dst_padded(wp, tap.b, self.stride_w, self.dil_w, self.q),
+        ) else {
+            return None;
+        };
+        Some(self.dy_offset(p, q, tap.c))
+    }
+    /// The offset of `dy[n, p, q, k]` in `dy[n]` (NHWC).
+    #[inline(always)]
+    pub const fn dy_offset(&self, p: u32, q: u32, k: u32) -> u64 {
+        (p as u64 * self.q as u64 + q as u64) * self.k as u64 + k as u64
+    }
+    /// Backward-data's B on the tensor cores: the offset of `w[k, r, s, 0]` for the reduction
+    /// index `tap = (r, s, k)` (the filter `[K, R, S, C]`).
+    #[inline(always)]
+    pub const fn dgrad_w_offset(&self, tap: Walk) -> u64 {
+        let rsc = self.r as u64 * self.s as u64 * self.c as u64;
+        tap.c as u64 * rsc + (tap.a as u64 * self.s as u64 + tap.b as u64) * self.c as u64
+    }
+    /// Backward-weight's B on the tensor cores (im2col of NHWC x): the offset of `x[n, h, w, 0]`
+    /// read by the term `pos = (n, p, q)` for a column of tap `(r, s)`, given as `dh = r dil_h -
+    /// pad_h`, `dw = s dil_w - pad_w`; `None` on the padding.
+    #[inline(always)]
+    pub const fn wgrad_x_offset(&self, pos: Walk, dh: i64, dw: i64) -> Option<u64> {
+        let h = pos.b as i64 * self.stride_h as i64 + dh;
+        let w = pos.c as i64 * self.stride_w as i64 + dw;
+        if h < 0 || h >= self.h as i64 || w < 0 || w >= self.w as i64 {
+            return None;
+        }
+        Some(((pos.a as u64 * self.h as u64 + h as u64) * self.w as u64 + w as u64) * self.c as u64)
+    }
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -599,6 +732,11 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
+#[cfg(target_arch = "nvptx64")]
+mod bwd_tc;
+#[cfg(target_arch = "nvptx64")]
+pub use bwd_tc::{dgrad_tc, wgrad_tc};
+
 /// The storage types' kernels, typed.
 pub trait ConvElem: crate::Elem {
     /// `conv2d_fwd_<dtype>`.
@@ -638,6 +776,23 @@ crate::for_each_elem!(conv_kernels);
 crate::kernel!(conv2d_fwd_tc_bf16: ConvTcArgs = |g, x, w, e| fwd_tc::<crate::dtype::BF16>(g, x, w, e));
 crate::kernel!(conv2d_fwd_tc_f16: ConvTcArgs = |g, x, w, e| fwd_tc::<crate::dtype::F16>(g, x, w, e));
 
+crate::kernel!(conv2d_bwd_data_tc_bf16: ConvDgradTcArgs = |g, dy, w, dx| dgrad_tc::<crate::dtype::BF16>(g, dy, w, dx));
+crate::kernel!(conv2d_bwd_data_tc_f16: ConvDgradTcArgs = |g, dy, w, dx| dgrad_tc::<crate::dtype::F16>(g, dy, w, dx));
+crate::kernel!(conv2d_bwd_wgrad_tc_bf16: ConvWgradTcArgs =
+    |g, x, dy, part, len| wgrad_tc::<crate::dtype::BF16>(g, x, dy, part, len));
+crate::kernel!(conv2d_bwd_wgrad_tc_f16: ConvWgradTcArgs =
+    |g, x, dy, part, len| wgrad_tc::<crate::dtype::F16>(g, x, dy, part, len));
+
+/// The tensor-core backward for `dtype`: backward-data and backward-weight; `None` for f32.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const fn tc_bwd_kernels(dtype: crate::DType) -> Option<(Kernel<ConvDgradTcArgs>, Kernel<ConvWgradTcArgs>)> {
+    match dtype {
+        crate::DType::BF16 => Some((conv2d_bwd_data_tc_bf16, conv2d_bwd_wgrad_tc_bf16)),
+        crate::DType::F16 => Some((conv2d_bwd_data_tc_f16, conv2d_bwd_wgrad_tc_f16)),
+        crate::DType::F32 => None,
+    }
+}
+
 /// The tensor-core forward for `dtype`; `None` for f32.
 #[cfg(not(target_arch = "nvptx64"))]
 pub const fn tc_kernel(dtype: crate::DType) -> Option<Kernel<ConvTcArgs>> {
@@ -659,11 +814,16 @@ pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
         .into_iter()
         .flatten()
         .chain([conv2d_fwd_tc_bf16.entry(), conv2d_fwd_tc_f16.entry()])
+        .chain([conv2d_bwd_data_tc_bf16.entry(), conv2d_bwd_data_tc_f16.entry()])
+        .chain([conv2d_bwd_wgrad_tc_bf16.entry(), conv2d_bwd_wgrad_tc_f16.entry()])
 }
 
 #[cfg(test)]
 mod tests {
+    extern crate alloc;
     use super::*;
+    use alloc::vec;
+    use alloc::vec::Vec;
 
     fn geom(nhwc: bool) -> ConvGeom {
         ConvGeom {
@@ -739,6 +899,141 @@ mod tests {
                     if let Some(p) = ConvGeom::dst(h, r, stride, pad, dil, p_len) {
                         assert_eq!(ConvGeom::src(p, r, stride, pad, dil), h as i64);
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn walks_match_division() {
+        for (nb, nc) in [(1, 1), (3, 8), (7, 7), (5, 32), (2, 40), (1, 136), (4, 3)] {
+            for start in 0..40 {
+                for step in [1, 8, 32] {
+                    let mut w = Walk::at(start, nb, nc);
+                    for i in 0..50 {
+                        assert_eq!(w, Walk::at(start + i * step, nb, nc), "{nb} {nc} {start} {step} {i}");
+                        w.advance(step, nb, nc);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dst_padded_is_dst() {
+        for (stride, pad, dil) in [(1, 0, 1), (1, 2, 1), (2, 1, 1), (3, 2, 2), (2, 3, 1), (2, 0, 3)] {
+            for len in 0..8 {
+                for h in 0..16u32 {
+                    for r in 0..5u32 {
+                        assert_eq!(
+                            dst_padded(h + pad, r, stride, dil, len).map(u64::from),
+                            ConvGeom::dst(h as u64, r as u64, stride, pad, dil, len)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A small NHWC problem of one group.
+    #[allow(clippy::too_many_arguments)]
+    fn tc_geom(n: u32, c: u32, h: u32, w: u32, k: u32, rs: (u32, u32), stride: u32, pad: u32, dil: u32) -> ConvGeom {
+        let (r, s) = rs;
+        let out = |x: u32, f: u32| out_size(x as u64, f as u64, stride as u64, pad as u64, dil as u64) as u32;
+        ConvGeom {
+            n,
+            c,
+            h,
+            w,
+            k,
+            r,
+            s,
+            p: out(h, r),
+            q: out(w, s),
+            groups: 1,
+            stride_h: stride,
+            stride_w: stride,
+            pad_h: pad,
+            pad_w: pad,
+            dil_h: dil,
+            dil_w: dil,
+            nhwc: 1,
+            pad: 0,
+        }
+    }
+
+    /// The tensor-core backward's index maps, element by element: the implicit GEMMs they
+    /// describe (A and B walked along the reduction as the loaders do) give exactly the
+    /// gradients of the direct convolution, on small integers (every sum exact).
+    #[test]
+    fn tensor_core_backward_maps_give_the_gradients() {
+        for g in [
+            tc_geom(2, 3, 5, 6, 4, (3, 3), 1, 1, 1),
+            tc_geom(1, 2, 9, 7, 3, (3, 2), 2, 1, 1),
+            tc_geom(2, 4, 8, 8, 2, (3, 3), 3, 2, 2),
+            tc_geom(1, 1, 11, 10, 2, (7, 7), 2, 3, 1),
+            tc_geom(3, 2, 4, 5, 5, (1, 1), 2, 0, 1),
+            tc_geom(1, 2, 6, 6, 2, (2, 3), 1, 0, 3),
+            tc_geom(1, 2, 2, 2, 2, (3, 3), 1, 2, 1),
+        ] {
+            let (n, c, h, w, k, r, s, p, q) = (g.n, g.c, g.h, g.w, g.k, g.r, g.s, g.p, g.q);
+            let val = |i: u32, salt: u32| ((i.wrapping_mul(2654435761) ^ salt) % 7) as i64 - 3;
+            let x: Vec<i64> = (0..n * h * w * c).map(|i| val(i, 1)).collect();
+            let wt: Vec<i64> = (0..k * r * s * c).map(|i| val(i, 2)).collect();
+            let dy: Vec<i64> = (0..n * p * q * k).map(|i| val(i, 3)).collect();
+            let (mut dx, mut dw) = (vec![0i64; x.len()], vec![0i64; wt.len()]);
+            for (ni, pi, qi, ki, ri, si) in (0..n).flat_map(|a| {
+                (0..p).flat_map(move |b| {
+                    (0..q).flat_map(move |cc| {
+                        (0..k).flat_map(move |d| (0..r).flat_map(move |e| (0..s).map(move |f| (a, b, cc, d, e, f))))
+                    })
+                })
+            }) {
+                let hi = ConvGeom::src(pi as u64, ri as u64, g.stride_h, g.pad_h, g.dil_h);
+                let wi = ConvGeom::src(qi as u64, si as u64, g.stride_w, g.pad_w, g.dil_w);
+                if hi < 0 || hi >= h as i64 || wi < 0 || wi >= w as i64 {
+                    continue;
+                }
+                let d = dy[(((ni * p + pi) * q + qi) * k + ki) as usize];
+                for ci in 0..c {
+                    let xi = (((ni as i64 * h as i64 + hi) * w as i64 + wi) * c as i64 + ci as i64) as usize;
+                    let wi = (((ki * r + ri) * s + si) * c + ci) as usize;
+                    dx[xi] += d * wt[wi];
+                    dw[wi] += d * x[xi];
+                }
+            }
+            // Backward-data: rows (n, h, w), columns c, reduction (r, s, k).
+            let img = (p * q * k) as usize;
+            for m in 0..n * h * w {
+                let pos = Walk::at(m, h, w);
+                for ci in 0..c {
+                    let mut tap = Walk::default();
+                    let mut acc = 0;
+                    for _ in 0..r * s * k {
+                        if let Some(off) = g.dgrad_dy_offset(pos.b + g.pad_h, pos.c + g.pad_w, tap) {
+                            acc += dy[pos.a as usize * img + off as usize]
+                                * wt[(g.dgrad_w_offset(tap) + ci as u64) as usize];
+                        }
+                        tap.advance(1, s, k);
+                    }
+                    assert_eq!(acc, dx[(m * c + ci) as usize], "{g:?} dx row {m} channel {ci}");
+                }
+            }
+            // Backward-weight: rows k, columns (r, s, c), reduction (n, p, q).
+            for ki in 0..k {
+                for j in 0..r * s * c {
+                    let tap = Walk::at(j, s, c);
+                    let dh = tap.a as i64 * g.dil_h as i64 - g.pad_h as i64;
+                    let dwc = tap.b as i64 * g.dil_w as i64 - g.pad_w as i64;
+                    let mut pos = Walk::default();
+                    let mut acc = 0;
+                    for i in 0..n * p * q {
+                        if let Some(off) = g.wgrad_x_offset(pos, dh, dwc) {
+                            acc += dy[(i * k + ki) as usize] * x[(off + tap.c as u64) as usize];
+                        }
+                        pos.advance(1, p, q);
+                    }
+                    assert_eq!(acc, dw[(ki * r * s * c + j) as usize], "{g:?} dw[{ki}, {j}]");
                 }
             }
         }
