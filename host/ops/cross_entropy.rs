@@ -319,7 +319,7 @@ impl Default for CrossEntropyOnePassOpts {
 const ONE_PASS_L2_BYTES: u64 = 24 << 20;
 
 /// Device addresses of one launch of the one-pass kernel (a whole tensor's rows, or a chunk of
-/// them for [`linear_cross_entropy`](super::linear_cross_entropy)).
+/// them for [`linear_cross_entropy`](super::linear_cross_entropy())).
 pub(crate) struct OnePassPtrs {
     pub x: u64,
     pub gx: u64,
