@@ -1,6 +1,7 @@
 //! Row-operation benchmarks: softmax, layer norm and RMS norm (forward and backward) on the four
 //! standard shapes and a small one, log-softmax, cross-entropy forward +
-//! backward at 8192 x 32000, sums (whole tensor, along rows, and over the rows per column at
+//! backward at 8192 x 32000 and 8192 x 128256 (two-pass and one-pass), the fused linear +
+//! cross-entropy at 8192 x 4096 -> 128256, sums (whole tensor, along rows, and over the rows per column at
 //! 8192 x 4096: a linear layer's bias gradient), and transpose. Timed by the
 //! shared harness (`benches/harness`: do_bench's method, L2 flushed before every run, medians);
 //! `benches/torch_rows.py` times PyTorch on the same cases under the same names.
@@ -19,17 +20,22 @@
 //! Names: `rows/<dtype>/<fwd|bwd|fwdbwd>/<op>@<rows>x<cols>/<rows*cols>`. GB/s counts each
 //! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
 //! grad in, grad_x out); the norms likewise plus their weight, bias and per-row statistics;
-//! cross-entropy forward + backward 3N (logits read by each, the gradient written); sums N;
-//! transpose 2N.
+//! cross-entropy forward + backward 3N (logits read by each, the gradient written), one-pass 2N
+//! (read once, the gradient written); sums N; transpose 2N. The fused linear + cross-entropy
+//! (`linear_cross_entropy@<rows>x<classes>`, hidden size [`LCE_HIDDEN`]) counts the hidden states
+//! and the weight read and their gradients written; its time and peak memory are the point.
 
 mod harness;
 
 use harness::{Case, Run, dtype_name};
-use kernels::ops::{self, CrossEntropyOpts, ReduceOp};
+use kernels::ops::{self, CrossEntropyOnePassOpts, CrossEntropyOpts, LinearCrossEntropyOpts, ReduceOp};
 use kernels::{DType, Device, IndexTensor, Result, Tensor};
 
 /// The suite's shapes, and a small one.
 const SHAPES: [(usize, usize); 5] = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)];
+
+/// The hidden size of the fused linear + cross-entropy case (Llama 3 8B's).
+const LCE_HIDDEN: usize = 4096;
 
 #[derive(Clone, Copy)]
 enum Op {
@@ -38,6 +44,8 @@ enum Op {
     LayerNorm,
     RmsNorm,
     CrossEntropy,
+    CrossEntropyOnePass,
+    LinearCrossEntropy,
     SumAll,
     SumRows,
     SumCols,
@@ -52,6 +60,8 @@ impl Op {
             Op::LayerNorm => "layer_norm",
             Op::RmsNorm => "rms_norm",
             Op::CrossEntropy => "cross_entropy",
+            Op::CrossEntropyOnePass => "cross_entropy_one_pass",
+            Op::LinearCrossEntropy => "linear_cross_entropy",
             Op::SumAll => "sum",
             Op::SumRows => "sum_rows",
             Op::SumCols => "sum_cols",
@@ -74,6 +84,8 @@ fn case(op: Op, dir: &'static str, dt: DType, rows: usize, cols: usize) -> Case 
         (Op::LayerNorm, _) => (3 * n64 + 3 * c64) * s + 8 * r64,
         (Op::RmsNorm, _) => (3 * n64 + 2 * c64) * s + 4 * r64,
         (Op::CrossEntropy, _) => 3 * n64 * s + 8 * r64,
+        (Op::CrossEntropyOnePass, _) => 2 * n64 * s + 8 * r64,
+        (Op::LinearCrossEntropy, _) => 2 * (r64 + c64) * LCE_HIDDEN as u64 * s + 8 * r64,
         (Op::SumAll | Op::SumRows | Op::SumCols, _) => n64 * s,
         (Op::Transpose, _) => 2 * n64 * s,
     };
@@ -90,6 +102,20 @@ fn case(op: Op, dir: &'static str, dt: DType, rows: usize, cols: usize) -> Case 
 }
 
 fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, seed: u64) -> Result<Run> {
+    let targets = || {
+        let t: Vec<i64> = (0..rows as u64).map(|i| ((i * 2654435761 + seed) % cols as u64) as i64).collect();
+        IndexTensor::from_slice(dev, &t, &[rows])
+    };
+    if let Op::LinearCrossEntropy = op {
+        // No [rows, cols] input: the point is never to hold the logits.
+        let h = Tensor::rand_normal(dev, &[rows, LCE_HIDDEN], dt, 0.0, 1.0, seed)?;
+        let w = Tensor::rand_normal(dev, &[cols, LCE_HIDDEN], dt, 0.0, 0.02, seed + 1)?;
+        let t = targets()?;
+        return Ok(Box::new(move || {
+            let o = ops::linear_cross_entropy(&h, &w, &t, LinearCrossEntropyOpts::default())?;
+            Ok(vec![o.loss, o.hidden_grad, o.weight_grad])
+        }));
+    }
     let x = Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed)?;
     let g = || Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed + 1);
     let w = Tensor::rand_normal(dev, &[cols], dt, 1.0, 0.1, seed + 2)?;
@@ -132,8 +158,7 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
             }
         }
         Op::CrossEntropy => {
-            let t: Vec<i64> = (0..rows as u64).map(|i| ((i * 2654435761 + seed) % cols as u64) as i64).collect();
-            let t = IndexTensor::from_slice(dev, &t, &[rows])?;
+            let t = targets()?;
             let one = Tensor::full(dev, &[], dt, 1.0)?;
             Box::new(move || {
                 let (loss, saved) = ops::cross_entropy(&x, &t, CrossEntropyOpts::default())?;
@@ -141,6 +166,14 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
                 Ok(vec![loss, gx])
             })
         }
+        Op::CrossEntropyOnePass => {
+            let t = targets()?;
+            Box::new(move || {
+                let (loss, gx) = ops::cross_entropy_one_pass(&x, &t, CrossEntropyOnePassOpts::default(), None)?;
+                Ok(vec![loss, gx])
+            })
+        }
+        Op::LinearCrossEntropy => unreachable!("built above"),
         Op::SumAll => Box::new(move || Ok(vec![ops::reduce(&x, ReduceOp::Sum)?])),
         Op::SumRows => Box::new(move || Ok(vec![ops::reduce_last_dim(&x, ReduceOp::Sum)?])),
         Op::SumCols => Box::new(move || Ok(vec![ops::reduce_leading_dims(&x, ReduceOp::Sum)?])),
@@ -181,6 +214,13 @@ fn cases() -> Vec<Case> {
         v.push(case(Op::CrossEntropy, "fwdbwd", dt, 8192, 32000));
     }
     v.push(case(Op::CrossEntropy, "fwdbwd", DType::F32, 64, 1024));
+    v.push(case(Op::CrossEntropy, "fwdbwd", DType::BF16, 8192, 128256));
+    for dt in [DType::F32, DType::BF16] {
+        v.push(case(Op::CrossEntropyOnePass, "fwdbwd", dt, 8192, 32000));
+    }
+    v.push(case(Op::CrossEntropyOnePass, "fwdbwd", DType::BF16, 8192, 128256));
+    v.push(case(Op::CrossEntropyOnePass, "fwdbwd", DType::F32, 64, 1024));
+    v.push(case(Op::LinearCrossEntropy, "fwdbwd", DType::BF16, 8192, 128256));
     for dt in [DType::F32, DType::BF16] {
         v.push(case(Op::SumAll, "fwd", dt, 1 << 18, 1 << 10));
         v.push(case(Op::SumRows, "fwd", dt, 1 << 18, 1 << 10));

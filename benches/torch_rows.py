@@ -8,8 +8,10 @@ Backward baselines are PyTorch's own backward kernels as autograd calls them:
 aten._softmax_backward_data / _log_softmax_backward_data from the forward's output,
 aten.native_layer_norm_backward from the saved mean and rstd (with weight and bias gradients),
 and, for RMS norm (a composite op in eager PyTorch), torch.autograd.grad over a retained graph.
-Cross-entropy is F.cross_entropy forward and backward (autograd) together. Bytes are counted
-as in the Rust bench. KERNELS_BENCH_SHAPES (comma-separated ROWSxCOLS) replaces the shapes of
+Cross-entropy is F.cross_entropy forward and backward (autograd) together; it is also the
+baseline of the one-pass cross-entropy (cross_entropy_one_pass, the same computation), and
+F.cross_entropy(F.linear(h, W), t) with the gradients of h and W that of the fused
+linear_cross_entropy (hidden size 4096). Bytes are counted as in the Rust bench. KERNELS_BENCH_SHAPES (comma-separated ROWSxCOLS) replaces the shapes of
 softmax, the norms and transpose, as in the Rust bench.
 """
 import json
@@ -31,6 +33,7 @@ CUSTOM = os.environ.get("KERNELS_BENCH_SHAPES")
 if CUSTOM:
     SHAPES = [tuple(int(d) for d in s.strip().split("x")) for s in CUSTOM.split(",")]
 g_ = torch.Generator(device=dev).manual_seed(0)
+LCE_HIDDEN = 4096
 
 
 def normal(shape, dt, mean=0.0, std=1.0):
@@ -49,6 +52,11 @@ def cases():
         out += [("log_softmax", "fwd", "f32", r, c), ("log_softmax", "bwd", "f32", r, c)]
     out += [("cross_entropy", "fwdbwd", dt, 8192, 32000) for dt in DTYPES]
     out += [("cross_entropy", "fwdbwd", "f32", 64, 1024)]
+    out += [("cross_entropy", "fwdbwd", "bf16", 8192, 128256)]
+    out += [("cross_entropy_one_pass", "fwdbwd", dt, 8192, 32000) for dt in DTYPES]
+    out += [("cross_entropy_one_pass", "fwdbwd", "bf16", 8192, 128256)]
+    out += [("cross_entropy_one_pass", "fwdbwd", "f32", 64, 1024)]
+    out += [("linear_cross_entropy", "fwdbwd", "bf16", 8192, 128256)]
     for dt in DTYPES:
         out += [("sum", "fwd", dt, 1 << 18, 1 << 10), ("sum_rows", "fwd", dt, 1 << 18, 1 << 10)]
     out += [("sum_cols", "fwd", dt, 8192, 4096) for dt in DTYPES]
@@ -71,6 +79,10 @@ def nbytes(op, direction, r, c, dt):
         return (2 * n + c) * s + 4 * r if direction == "fwd" else (3 * n + 2 * c) * s + 4 * r
     if op == "cross_entropy":
         return 3 * n * s + 8 * r
+    if op == "cross_entropy_one_pass":
+        return 2 * n * s + 8 * r
+    if op == "linear_cross_entropy":
+        return 2 * (r + c) * LCE_HIDDEN * s + 8 * r
     if op in ("sum", "sum_rows", "sum_cols"):
         return n * s
     return 2 * n * s  # transpose
@@ -78,6 +90,15 @@ def nbytes(op, direction, r, c, dt):
 
 def build(op, direction, dt, r, c):
     t = DTYPES[dt]
+    if op == "linear_cross_entropy":
+        h = normal((r, LCE_HIDDEN), t).requires_grad_(True)
+        w = normal((c, LCE_HIDDEN), t, 0.0, 0.02).requires_grad_(True)
+        tgt = torch.randint(0, c, (r,), device=dev, generator=g_)
+
+        def run_lce():
+            loss = F.cross_entropy(F.linear(h, w), tgt)
+            return torch.autograd.grad(loss, (h, w))
+        return run_lce
     x = normal((r, c), t)
     g = normal((r, c), t)
     w, b = normal((c,), t, 1.0, 0.1), normal((c,), t, 0.0, 0.1)
@@ -99,7 +120,7 @@ def build(op, direction, dt, r, c):
         xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
         y = F.rms_norm(xr, (c,), wr, 1e-5)
         return lambda: torch.autograd.grad(y, (xr, wr), g, retain_graph=True)
-    if op == "cross_entropy":
+    if op in ("cross_entropy", "cross_entropy_one_pass"):
         tgt = torch.randint(0, c, (r,), device=dev, generator=g_)
         xr = x.detach().requires_grad_(True)
 

@@ -16,6 +16,7 @@ pub(crate) mod gemm_wgmma;
 pub mod glu;
 pub mod init;
 pub mod linear;
+pub mod linear_cross_entropy;
 pub mod mathprobe;
 pub mod norm;
 pub mod optim;
@@ -44,6 +45,7 @@ pub use gemm::*;
 pub use gemm_tc::{Epilogue, gemm_fused};
 pub use glu::*;
 pub use linear::*;
+pub use linear_cross_entropy::{LinearCrossEntropy, LinearCrossEntropyOpts, linear_cross_entropy};
 pub use norm::*;
 pub use optim::*;
 pub use pool::{

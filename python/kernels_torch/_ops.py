@@ -983,6 +983,59 @@ def cross_entropy(
     return (1 - label_smoothing) * nll + smooth * (label_smoothing / c)
 
 
+@_custom_op("cross_entropy_one_pass")
+def cross_entropy_one_pass_op(
+    logits: Tensor, target: Tensor, reduction: str, ignore_index: int, label_smoothing: float, z_loss: float
+) -> tuple[Tensor, Tensor]:
+    op = "cross_entropy_one_pass"
+    logits, target, n, c, red = _ce_check(op, logits, target, reduction)
+    loss = _new([n] if red == 0 else [], logits)
+    gx = torch.empty_like(logits)
+    dev, stream, dt = _where(logits)
+    _native.cross_entropy_one_pass_fwd(
+        dev, stream, dt, logits.data_ptr(), target.data_ptr(), loss.data_ptr(), gx.data_ptr(),
+        n, c, red, int(ignore_index), float(label_smoothing), float(z_loss),
+    )  # fmt: skip
+    return loss, gx
+
+
+@cross_entropy_one_pass_op.register_fake
+def _(logits, target, reduction, ignore_index, label_smoothing, z_loss):
+    n = logits.shape[0]
+    return logits.new_empty([n] if reduction == "none" else []), logits.new_empty(logits.shape)
+
+
+def _ce1_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ce1_backward(ctx, grad, _ggx):
+    # The forward wrote the gradient for a loss gradient of 1: scale it by the one that came.
+    (gx,) = ctx.saved_tensors
+    g = grad[:, None] if grad.dim() == 1 else grad
+    return gx * g, None, None, None, None, None
+
+
+_autograd(cross_entropy_one_pass_op, "cross_entropy_one_pass", _ce1_backward, _ce1_setup)
+
+
+def cross_entropy_one_pass(
+    input: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> Tensor:
+    """``F.cross_entropy`` (as :func:`cross_entropy`) plus an optional z-loss (``z_loss * lse^2``
+    a row not ignored), with the logits' gradient computed in the forward, in one read of the
+    logits: the backward only scales it by the loss's gradient (a no-op multiply by 1 for a
+    loss that is the objective). Keeps an ``[N, C]`` gradient from the forward to the backward
+    in place of the logits themselves."""
+    return _call("cross_entropy_one_pass", input, target, reduction, ignore_index, label_smoothing, z_loss)[0]
+
+
 # --- linear layer -------------------------------------------------------------------------------
 #
 # act(x @ W^T + b) on the library's GEMM: float32 on the CUDA cores (FFMA, or 3xTF32 when set),

@@ -15,8 +15,8 @@
 
 use kernels::ops::{
     self, Activation, AttentionOpts, BatchNormGrads, BatchNormOpts, BatchNormStats, BinaryOp, Causal, Conv2dGrads,
-    Conv2dOpts, CrossEntropyOpts, Gemm, Layout, Layout2d, NormGrads, NormStats, Pool2dOpts, Precision, ReduceOp,
-    Reduction, RopeOpts, RopeStyle, ScaleBiasActGrads, UnaryOp,
+    Conv2dOpts, CrossEntropyOnePassOpts, CrossEntropyOpts, Gemm, Layout, Layout2d, NormGrads, NormStats, Pool2dOpts,
+    Precision, ReduceOp, Reduction, RopeOpts, RopeStyle, ScaleBiasActGrads, UnaryOp,
 };
 use kernels::{DType, Device, Error, IndexTensor, Tensor};
 use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
@@ -694,6 +694,44 @@ fn cross_entropy_bwd(
         )
     };
     c.run(py, || ops::cross_entropy_backward_out(&logits, &target, &saved, &g, &mut gx))
+}
+
+/// The one-pass cross-entropy: the loss into `loss` (`[rows]` for reduction none, else `[]`)
+/// and the logits' gradient for a loss gradient of 1 into `gx`. Synchronises with the stream to
+/// check the targets, as `cross_entropy_fwd`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cross_entropy_one_pass_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    logits: u64,
+    target: u64,
+    loss: u64,
+    gx: u64,
+    rows: usize,
+    cols: usize,
+    reduction_code: u8,
+    ignore_index: i64,
+    label_smoothing: f32,
+    z_loss: f32,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let ce = CrossEntropyOpts { reduction: reduction(reduction_code)?, ignore_index, label_smoothing };
+    let opts = CrossEntropyOnePassOpts { ce, z_loss, grad_scale: 1.0 };
+    let loss_shape: &[usize] = if ce.reduction == Reduction::None { &[rows] } else { &[] };
+    // SAFETY: see `unary_fwd_with`; target holds `rows` int64, gx `rows * cols` (a buffer of
+    // its own).
+    let (x, target, mut loss, mut gx) = unsafe {
+        (
+            c.t(logits, &[rows, cols])?,
+            IndexTensor::from_device_ptr(&c.dev, target, &[rows]).map_err(to_py)?,
+            c.t(loss, loss_shape)?,
+            c.t(gx, &[rows, cols])?,
+        )
+    };
+    c.run(py, || ops::cross_entropy_one_pass_out(&x, &target, opts, None, &mut loss, &mut gx))
 }
 
 /// An activation the GEMM fuses into its store (identity, relu, GELU, GELU-tanh, SiLU), by its
@@ -1464,6 +1502,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(norm_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_entropy_one_pass_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(linear_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(linear_train_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(linear_bwd, m)?)?;
