@@ -22,17 +22,18 @@
 //! candle allocated, on candle's stream (the library's foreign-stream path,
 //! [`crate::interop`]), with candle's own stream-synchronisation events honoured. An input that
 //! is not contiguous, or whose first element is not 16-byte aligned (a narrowed view), is first
-//! copied to a fresh contiguous buffer by candle. f32, f16 and bf16; other dtypes are refused
-//! with an error naming the op. On the CPU the ops return an error: use candle's own ops there.
-//! The gradients follow PyTorch's conventions: ReLU's derivative at exactly 0 is 0, where
-//! candle's own `relu` takes 1.
+//! copied to a fresh contiguous buffer by candle. f32, f16 and bf16 (attention: bf16 and f16);
+//! other dtypes are refused with an error naming the op. On the CPU the ops return an error:
+//! use candle's own ops there. The gradients follow PyTorch's conventions: ReLU's derivative at
+//! exactly 0 is 0, where candle's own `relu` takes 1.
 //!
 //! Build: candle's CUDA backend compiles its kernels with nvcc and links the CUDA libraries
 //! (driver, cuBLAS, cuRAND, NVRTC) at build time, and so does a build with this feature; the
 //! default build needs neither (README, section candle).
 
 use crate::ops::{
-    self, Activation, CrossEntropyOpts, CrossEntropySaved, NormGrads, NormStats, ScaleBiasActGrads, UnaryOp,
+    self, Activation, AttentionOpts, Causal, CrossEntropyOpts, CrossEntropySaved, Gemm, NormGrads, NormStats, ReduceOp,
+    ScaleBiasActGrads, UnaryOp,
 };
 use crate::{DType, Device, IndexTensor, Tensor};
 use candle_core::backend::BackendStorage;
@@ -823,6 +824,396 @@ pub fn cross_entropy(logits: &candle_core::Tensor, targets: &candle_core::Tensor
         targets.to_dtype(candle_core::DType::I64)?
     };
     logits.apply_op2(&t, CrossEntropy::default())
+}
+
+// --- linear -----------------------------------------------------------------------------------
+
+/// A held candle tensor's CUDA storage (the backward ops' fourth and fifth inputs).
+fn held_storage<'a>(op: &str, g: &'a candle_core::StorageRef<'_>) -> CResult<&'a CudaStorage> {
+    match &**g {
+        candle_core::Storage::Cuda(s) => Ok(s),
+        _ => Err(err(op, "an input saved for the backward is not on a CUDA device")),
+    }
+}
+
+/// `(rows, inp, out)` of `x [..., inp] @ w^T`, `w` `[out, inp]`, and the bias `[out]` if any.
+fn linear_dims(op: &str, lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> CResult<[usize; 3]> {
+    let [rows, inp] = rows_cols(op, lx)?;
+    let out = match lw.shape().dims() {
+        &[o, i] if i == inp => o,
+        d => return Err(err(op, format!("the weight has shape {d:?}; expected [out, {inp}] (x's last dimension)"))),
+    };
+    if let Some(lb) = lb
+        && lb.shape().dims() != [out]
+    {
+        return Err(err(op, format!("the bias has shape {:?}; expected [{out}]", lb.shape())));
+    }
+    Ok([rows, inp, out])
+}
+
+/// `x @ w^T (+ b)`: one GEMM ([`ops::gemm_ex`]) writing candle's output, the bias added in its
+/// store.
+fn linear_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    b: Option<(&CudaStorage, &Layout)>,
+) -> CResult<(CudaStorage, Shape)> {
+    let op = "linear";
+    let [rows, inp, out] = linear_dims(op, lx, lw, b.map(|b| b.1))?;
+    let mut ins = vec![input(x, lx, &[rows, inp]), input(w, lw, &[out, inp])];
+    if let Some((b, lb)) = b {
+        ins.push(input(b, lb, &[out]));
+    }
+    let y = run(op, &ins, x.dtype(), &[&[rows, out]], |v| {
+        ops::gemm_ex(&v.t[0], &v.t[1], &mut v.out[0], Gemm::new(false, true), v.t.get(2), Activation::Identity)
+    })?;
+    let mut dims = lx.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = out;
+    }
+    Ok((y, Shape::from(dims)))
+}
+
+/// `[dx, dw, db]` (no `db` without a bias) of a linear layer from the output's gradient `g`.
+fn linear_bwd(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    g: &candle_core::Tensor,
+    bias: bool,
+) -> CResult<Vec<candle_core::Tensor>> {
+    let flat = x.apply_op3_no_bwd(w, g, &LinearBackward { bias })?;
+    let out = w.dim(0)?;
+    let k = 2 + usize::from(bias);
+    let sizes = [x.elem_count(), w.elem_count(), out];
+    let (starts, _) = region_starts(&sizes[..k], x.dtype().size_in_bytes());
+    let ob = [out];
+    let shapes = [x.dims(), w.dims(), &ob[..]];
+    (0..k).map(|i| flat.narrow(0, starts[i], sizes[i])?.reshape(shapes[i])).collect()
+}
+
+/// The linear layer without a bias, `(x, weight)`: `x @ weight^T`.
+#[derive(Clone, Copy, Debug)]
+pub struct Linear;
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(&self, x: &CudaStorage, lx: &Layout, w: &CudaStorage, lw: &Layout) -> CResult<(CudaStorage, Shape)> {
+        linear_fwd(x, lx, w, lw, None)
+    }
+    fn bwd(
+        &self,
+        x: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        _: &candle_core::Tensor,
+        g: &candle_core::Tensor,
+    ) -> CResult<(Option<candle_core::Tensor>, Option<candle_core::Tensor>)> {
+        let mut v = linear_bwd(x, w, g, false)?.into_iter();
+        Ok((v.next(), v.next()))
+    }
+}
+
+/// The linear layer with a bias, `(x, weight, bias)`: `x @ weight^T + bias`.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearBias;
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        linear_fwd(x, lx, w, lw, Some((b, lb)))
+    }
+    #[allow(clippy::type_complexity)]
+    fn bwd(
+        &self,
+        x: &candle_core::Tensor,
+        w: &candle_core::Tensor,
+        _: &candle_core::Tensor,
+        _: &candle_core::Tensor,
+        g: &candle_core::Tensor,
+    ) -> CResult<(Option<candle_core::Tensor>, Option<candle_core::Tensor>, Option<candle_core::Tensor>)> {
+        let mut v = linear_bwd(x, w, g, true)?.into_iter();
+        Ok((v.next(), v.next(), v.next()))
+    }
+}
+
+/// The linear layer's backward on `(x, weight, grad)`: `dx = g @ weight`, `dw = g^T @ x` (two
+/// GEMMs, g read transposed in place) and `db` = the column sums of g, in one buffer.
+struct LinearBackward {
+    bias: bool,
+}
+
+impl CustomOp3 for LinearBackward {
+    fn name(&self) -> &'static str {
+        "linear_backward"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let op = self.name();
+        let [rows, inp, out] = linear_dims(op, lx, lw, None)?;
+        if rows_cols(op, lg)? != [rows, out] {
+            return Err(err(op, format!("the gradient has shape {:?}; expected [.., {out}]", lg.shape())));
+        }
+        let (xs, ws, gs) = ([rows, inp], [out, inp], [rows, out]);
+        let ins = [input(x, lx, &xs), input(w, lw, &ws), input(g, lg, &gs)];
+        let outs: &[&[usize]] = if self.bias { &[&xs, &ws, &[out]] } else { &[&xs, &ws] };
+        let out = run(op, &ins, x.dtype(), outs, |v| {
+            let mut o = std::mem::take(&mut v.out).into_iter();
+            let (Some(mut gx), Some(mut gw)) = (o.next(), o.next()) else {
+                return Err(crate::Error::InvalidArgument {
+                    op,
+                    message: "two or three output regions expected".into(),
+                });
+            };
+            let id = Activation::Identity;
+            ops::gemm_ex(&v.t[2], &v.t[1], &mut gx, Gemm::default(), None, id)?;
+            ops::gemm_ex(&v.t[2], &v.t[0], &mut gw, Gemm::new(true, false), None, id)?;
+            if let Some(mut gb) = o.next() {
+                ops::reduce_leading_dims_out(&v.t[2], ReduceOp::Sum, &mut gb)?;
+            }
+            Ok(())
+        })?;
+        let n = out_len(&out);
+        Ok((out, Shape::from(n)))
+    }
+}
+
+/// The linear layer `x @ weight^T (+ bias)` (PyTorch's `F.linear`): x `[..., in]`, weight
+/// `[out, in]`, bias `[out]`; f32 (FMAs), or bf16 or f16 (tensor cores, f32 accumulation). One
+/// GEMM forward (the bias added in its store), two GEMMs and a column sum backward, each
+/// writing candle's buffer.
+pub fn linear(
+    x: &candle_core::Tensor,
+    weight: &candle_core::Tensor,
+    bias: Option<&candle_core::Tensor>,
+) -> CResult<candle_core::Tensor> {
+    match bias {
+        Some(b) => x.apply_op3(weight, b, LinearBias),
+        None => x.apply_op2(weight, Linear),
+    }
+}
+
+// --- attention --------------------------------------------------------------------------------
+
+/// Scaled dot-product attention ([`ops::attention_out`]) on `(q, k, v)`, bf16 or f16, rank 4
+/// in the options' layout. The forward keeps the f32 log-sum-exp of each query row for the
+/// backward ([`ops::attention_backward_out`]); apply a fresh op to each forward (the functions
+/// [`attention`] and [`scaled_dot_product_attention`] do).
+#[derive(Debug)]
+pub struct Attention {
+    opts: AttentionOpts,
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl Attention {
+    /// The op for these options.
+    pub fn new(opts: AttentionOpts) -> Attention {
+        Attention { opts, lse: Mutex::new(None) }
+    }
+}
+
+fn rank4(op: &str, what: &str, l: &Layout) -> CResult<[usize; 4]> {
+    <[usize; 4]>::try_from(l.shape().dims())
+        .map_err(|_| err(op, format!("{what} has shape {:?}; expected rank 4", l.shape())))
+}
+
+/// `[q, k, v]`'s shapes, checked for rank and dtype (f32 refused: the kernels are bf16 and f16).
+fn attention_shapes(op: &str, q: &CudaStorage, ls: [&Layout; 3]) -> CResult<[[usize; 4]; 3]> {
+    if q.dtype() == candle_core::DType::F32 {
+        return Err(err(op, "takes bf16 or f16 tensors, got F32 (convert with to_dtype first)"));
+    }
+    Ok([rank4(op, "q", ls[0])?, rank4(op, "k", ls[1])?, rank4(op, "v", ls[2])?])
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        lq: &Layout,
+        k: &CudaStorage,
+        lk: &Layout,
+        v: &CudaStorage,
+        lv: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let op = self.name();
+        let [qs, ks, vs] = attention_shapes(op, q, [lq, lk, lv])?;
+        let ls = match self.opts.layout {
+            ops::Layout::Bhsd => [qs[0], qs[1], qs[2]],
+            ops::Layout::Bshd => [qs[0], qs[2], qs[1]],
+        };
+        let opts = self.opts;
+        let mut saved = None;
+        let ins = [input(q, lq, &qs), input(k, lk, &ks), input(v, lv, &vs)];
+        let out = run(op, &ins, q.dtype(), &[&qs], |t| {
+            let mut lse = Tensor::empty(t.t[0].device(), &ls, DType::F32)?;
+            ops::attention_out(&t.t[0], &t.t[1], &t.t[2], &opts, &mut t.out[0], &mut lse)?;
+            saved = Some(lse);
+            Ok(())
+        })?;
+        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = saved;
+        Ok((out, lq.shape().clone()))
+    }
+    #[allow(clippy::type_complexity)]
+    fn bwd(
+        &self,
+        q: &candle_core::Tensor,
+        k: &candle_core::Tensor,
+        v: &candle_core::Tensor,
+        out: &candle_core::Tensor,
+        g: &candle_core::Tensor,
+    ) -> CResult<(Option<candle_core::Tensor>, Option<candle_core::Tensor>, Option<candle_core::Tensor>)> {
+        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(lse) = lse.as_ref() else {
+            return Err(err(self.name(), "backward before forward: the log-sum-exp is missing"));
+        };
+        let op = AttentionBackward { opts: self.opts, lse, v: v.clone(), out: out.clone() };
+        let flat = q.apply_op3_no_bwd(k, g, &op)?;
+        let sizes = [q.elem_count(), k.elem_count(), v.elem_count()];
+        let (starts, _) = region_starts(&sizes, q.dtype().size_in_bytes());
+        let part = |i: usize, dims: &[usize]| flat.narrow(0, starts[i], sizes[i])?.reshape(dims);
+        Ok((Some(part(0, q.dims())?), Some(part(1, k.dims())?), Some(part(2, v.dims())?)))
+    }
+}
+
+/// [`Attention`]'s backward on `(q, k, dout)`, v and the output (a fourth and fifth input) held
+/// by the op: dq, dk and dv in one buffer.
+struct AttentionBackward<'a> {
+    opts: AttentionOpts,
+    lse: &'a Tensor,
+    v: candle_core::Tensor,
+    out: candle_core::Tensor,
+}
+
+impl CustomOp3 for AttentionBackward<'_> {
+    fn name(&self) -> &'static str {
+        "attention_backward"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        no_cpu(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        lq: &Layout,
+        k: &CudaStorage,
+        lk: &Layout,
+        g: &CudaStorage,
+        lg: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let op = self.name();
+        let (vg, lv) = self.v.storage_and_layout();
+        let (og, lo) = self.out.storage_and_layout();
+        let (v, o) = (held_storage(op, &vg)?, held_storage(op, &og)?);
+        let [qs, ks, vs] = attention_shapes(op, q, [lq, lk, lv])?;
+        same_shape(op, lq, lo)?;
+        same_shape(op, lq, lg)?;
+        let ins = [input(q, lq, &qs), input(k, lk, &ks), input(v, lv, &vs), input(o, lo, &qs), input(g, lg, &qs)];
+        let (opts, lse) = (self.opts, self.lse);
+        let out = run(op, &ins, q.dtype(), &[&qs, &ks, &vs], |t| {
+            let mut o = std::mem::take(&mut t.out).into_iter();
+            let (Some(mut dq), Some(mut dk), Some(mut dv)) = (o.next(), o.next(), o.next()) else {
+                return Err(crate::Error::InvalidArgument { op, message: "three output regions expected".into() });
+            };
+            let [q, k, v, out, dout] = &t.t[..] else {
+                return Err(crate::Error::InvalidArgument { op, message: "five inputs expected".into() });
+            };
+            ops::attention_backward_out(q, k, v, out, lse, dout, &opts, (&mut dq, &mut dk, &mut dv))
+        })?;
+        let n = out_len(&out);
+        Ok((out, Shape::from(n)))
+    }
+}
+
+/// Attention with every option of [`AttentionOpts`] (causal masks, a sliding window, the scale,
+/// the layout `[B, H, S, D]` or `[B, S, H, D]`; grouped-query heads when k and v have fewer
+/// heads than q), bf16 or f16; f32 is refused.
+pub fn attention(
+    q: &candle_core::Tensor,
+    k: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    opts: &AttentionOpts,
+) -> CResult<candle_core::Tensor> {
+    q.apply_op3(k, v, Attention::new(*opts))
+}
+
+/// `softmax(q k^T * scale) v` on `[B, H, S, D]` tensors, as PyTorch's
+/// `scaled_dot_product_attention`: `causal` masks keys after the query (top left), `scale`
+/// `None` is `1/sqrt(D)`. bf16 or f16; f32 is refused.
+pub fn scaled_dot_product_attention(
+    q: &candle_core::Tensor,
+    k: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    causal: bool,
+    scale: Option<f32>,
+) -> CResult<candle_core::Tensor> {
+    let causal = if causal { Causal::TopLeft } else { Causal::None };
+    attention(q, k, v, &AttentionOpts { causal, scale, ..AttentionOpts::default() })
 }
 
 #[cfg(test)]

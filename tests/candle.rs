@@ -9,7 +9,10 @@
 //! margin, plus 2^-8 of the largest value for the cancellations of the row ops' backward.
 //! Shapes are awkward on purpose (rows of 1, 7, 33, 1000, 1025 and 4097 elements, 3-d), and
 //! inputs are also passed transposed and narrowed (not contiguous, or not 16-byte aligned),
-//! which the ops copy first. A small MLP trained with the ops follows candle's own loss curve.
+//! which the ops copy first. The linear layer's results are sums of many products, so they are
+//! held to the componentwise bound of such sums instead (`gemm_close`), and attention, whose
+//! kernels round intermediate values to bf16 or f16, to a norm-wise bound (`attention_case`).
+//! A small MLP trained with the ops follows candle's own loss curve.
 //!
 //! Without a GPU the tests are reported as ignored (skipped), as the other GPU tests.
 
@@ -308,6 +311,194 @@ fn cross_entropy_case(dt: DType) -> R<()> {
     Ok(())
 }
 
+/// The output and the gradients of every input of `f` for the output gradient `g`, by candle's
+/// autograd.
+fn all_grads(inputs: &[&Tensor], g: &Tensor, f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>) -> R<Vec<Tensor>> {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t)).collect::<Result<_, _>>().map_err(e)?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts).map_err(e)?;
+    let grads = y.mul(g).and_then(|p| p.sum_all()).and_then(|l| l.backward()).map_err(e)?;
+    let mut out = vec![y];
+    for t in &ts {
+        out.push(grads.get(t).ok_or("an input got no gradient")?.clone());
+    }
+    Ok(out)
+}
+
+/// A product's result against its f32 reference, by the componentwise bound of a sum of `k`
+/// products: each side errs by at most `k` f32 roundings of `|a| |b|` (the sums of the products'
+/// magnitudes, `absprod`, one more rounding for the store), and a bf16 result by one rounding of
+/// its value more (2^-9 relative, a factor two of margin). A wrong transpose or operand errs by
+/// the values themselves.
+fn gemm_close(what: &str, dt: DType, got: &Tensor, want: &Tensor, absprod: &Tensor, k: usize) -> R<()> {
+    if got.dims() != want.dims() {
+        return Err(format!("{what}: shape {:?}, want {:?}", got.dims(), want.dims()));
+    }
+    let (g, w, a) = (f32s(got)?, f32s(want)?, f32s(absprod)?);
+    let r = if dt == DType::F32 { 0.0 } else { 1.0 / 256.0 };
+    let acc = 2.0 * (k as f32 + 1.0) * f32::EPSILON / 2.0;
+    for (i, ((x, y), m)) in g.iter().zip(&w).zip(&a).enumerate() {
+        let within = (x - y).abs() <= r * y.abs() + acc * m;
+        if !within {
+            return Err(format!("{what} ({dt:?}): element {i} is {x}, want {y} (sum of |products| {m}, k {k})"));
+        }
+    }
+    Ok(())
+}
+
+fn linear_ref(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let y = x.broadcast_matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// `x @ w^T (+ b)` and its three gradients against candle's matmul and broadcast add, x as given,
+/// transposed, narrowed and 3-d, the weight also as a transposed view.
+fn linear_case(bias: bool, dt: DType) -> R<()> {
+    let dev = cuda()?;
+    let (inp, out) = (33, 40);
+    let mut cases: Vec<(View, Tensor, bool)> =
+        layouts(&dev, 71, 7, inp, dt)?.into_iter().map(|(v, x)| (v, x, false)).collect();
+    cases.push((View::Plain, tensor(&dev, 74, &[2, 3, inp], dt)?, false));
+    cases.push((View::Plain, tensor(&dev, 75, &[130, inp], dt)?, true));
+    for (view, x, w_t) in cases {
+        let shape = seen(view, &x)?;
+        let rows: usize = shape[..shape.len() - 1].iter().product();
+        // The transposed weight is a view taken inside the op's function (a variable is stored
+        // contiguous).
+        let w = if w_t { tensor(&dev, 76, &[inp, out], dt)? } else { tensor(&dev, 77, &[out, inp], dt)? };
+        let wv = |w: &Tensor| if w_t { w.t() } else { Ok(w.clone()) };
+        let b = tensor(&dev, 78, &[out], dt)?;
+        let mut gshape = shape.clone();
+        *gshape.last_mut().ok_or("no dims")? = out;
+        let g = tensor(&dev, 79, &gshape, dt)?;
+        let ins: Vec<&Tensor> = if bias { vec![&x, &w, &b] } else { vec![&x, &w] };
+        let ours = all_grads(&ins, &g, |t| kernels::candle::linear(&view.of(&t[0])?, &wv(&t[1])?, t.get(2)))?;
+        let up = |t: &Tensor| t.to_dtype(DType::F32).map_err(e);
+        let ins32: Vec<Tensor> = ins.iter().copied().map(up).collect::<R<_>>()?;
+        let refs: Vec<&Tensor> = ins32.iter().collect();
+        let g32 = up(&g)?;
+        let want = all_grads(&refs, &g32, |t| linear_ref(&view.of(&t[0])?, &wv(&t[1])?, t.get(2)))?;
+        let b32 = up(&b)?;
+        // The sums of the products' magnitudes of each result (in the shapes the op sees).
+        let bounds = (|| {
+            let (xa, wa, ga) = (view.of(&ins32[0])?.abs()?, wv(&ins32[1])?.abs()?, g32.abs()?);
+            let y = linear_ref(&xa, &wa, Some(&b32.abs()?))?;
+            let g2 = ga.reshape((rows, out))?;
+            let dx = g2.matmul(&wa)?.reshape(shape.clone())?;
+            let dw = g2.t()?.matmul(&xa.reshape((rows, inp))?)?;
+            let db = g2.sum(0)?;
+            Ok::<_, candle_core::Error>(vec![y, dx, dw, db])
+        })()
+        .map_err(e)?;
+        let what =
+            format!("linear{} {view:?} {shape:?}{}", if bias { "+bias" } else { "" }, if w_t { " w^T" } else { "" });
+        gemm_close(&format!("{what} forward"), dt, &ours[0], &want[0], &bounds[0], inp)?;
+        // The gradients of the variables, seen as the op sees them.
+        let seen_as = |i: usize, t: &Tensor| {
+            if i == 1 {
+                view.of(t)
+            } else if i == 2 {
+                wv(t)
+            } else {
+                Ok(t.clone())
+            }
+        };
+        for (i, (part, k)) in [("dx", out), ("dw", rows), ("db", rows)].into_iter().enumerate().take(ins.len()) {
+            let (got, want) = (seen_as(i + 1, &ours[i + 1]).map_err(e)?, seen_as(i + 1, &want[i + 1]).map_err(e)?);
+            gemm_close(&format!("{what} {part}"), dt, &got, &want, &bounds[i + 1], k)?;
+        }
+    }
+    Ok(())
+}
+
+fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> candle_core::Result<Tensor> {
+    let s = q.contiguous()?.matmul(&k.t()?.contiguous()?)?.affine(scale, 0.0)?;
+    let s = if causal {
+        let (sq, sk) = (q.dim(2)?, k.dim(2)?);
+        let mask: Vec<f32> = (0..sq * sk).map(|i| if i % sk > i / sk { f32::NEG_INFINITY } else { 0.0 }).collect();
+        s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), q.device())?)?
+    } else {
+        s
+    };
+    softmax_ref(&s, false)?.matmul(&v.contiguous()?)
+}
+
+/// The norm-wise error `||got - want|| / ||want||`.
+fn rel_err(got: &Tensor, want: &Tensor) -> R<f64> {
+    let (g, w) = (f32s(got)?, f32s(want)?);
+    let (mut d, mut n) = (0f64, 0f64);
+    for (a, b) in g.iter().zip(&w) {
+        d += (*a as f64 - *b as f64).powi(2);
+        n += (*b as f64).powi(2);
+    }
+    // Written so that NaN fails.
+    if d.is_nan() { Ok(f64::INFINITY) } else { Ok((d / n).sqrt()) }
+}
+
+/// Attention and its gradients against softmax(q k^T * scale) v in candle's f32 ops on the same
+/// rounded inputs, norm-wise: `||ours - ref|| <= C u ||ref||`, u the dtype's unit roundoff
+/// (2^-8 bf16, 2^-11 f16), C 4 forward and 8 backward (the kernels round the softmax weights
+/// before `P V` and, backward, `dS` and `P` before their products, independent errors of zero
+/// mean; a wrong mask, scale or layout errs by tens of percent). `[B, H, S, D]` as given and
+/// as a transposed view of `[B, S, H, D]` (copied), and the `[B, S, H, D]` layout in place.
+fn attention_case(dt: DType) -> R<()> {
+    let dev = cuda()?;
+    let u = if dt == DType::BF16 { 2f64.powi(-8) } else { 2f64.powi(-11) };
+    let (b, h, sq, sk, d) = (2, 3, 65, 80, 64);
+    for (causal, scale, bshd_view, bshd_layout) in [
+        (false, None, false, false),
+        (true, Some(0.3), false, false),
+        (true, None, true, false),
+        (false, None, false, true),
+    ] {
+        let stored = |s| if bshd_view || bshd_layout { [b, s, h, d] } else { [b, h, s, d] };
+        let (q, k, v) = (
+            tensor(&dev, 81, &stored(sq), dt)?,
+            tensor(&dev, 82, &stored(sk), dt)?,
+            tensor(&dev, 83, &stored(sk), dt)?,
+        );
+        let g = tensor(&dev, 84, &stored(sq), dt)?;
+        // What each side computes on: `[B, H, S, D]` views for the reference.
+        let bhsd = |t: &Tensor| if bshd_view || bshd_layout { t.transpose(1, 2) } else { Ok(t.clone()) };
+        let ours = all_grads(&[&q, &k, &v], &g, |t| {
+            if bshd_layout {
+                let causal = if causal { kernels::ops::Causal::TopLeft } else { kernels::ops::Causal::None };
+                let opts = kernels::ops::AttentionOpts {
+                    causal,
+                    scale,
+                    layout: kernels::ops::Layout::Bshd,
+                    ..Default::default()
+                };
+                kernels::candle::attention(&t[0], &t[1], &t[2], &opts)
+            } else {
+                let v = |i: usize| bhsd(&t[i]);
+                let y = kernels::candle::scaled_dot_product_attention(&v(0)?, &v(1)?, &v(2)?, causal, scale)?;
+                if bshd_view { y.transpose(1, 2) } else { Ok(y) }
+            }
+        })?;
+        let up = |t: &Tensor| t.to_dtype(DType::F32).map_err(e);
+        let sc = scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
+        let want = all_grads(&[&up(&q)?, &up(&k)?, &up(&v)?], &up(&g)?, |t| {
+            bhsd(&attention_ref(&bhsd(&t[0])?, &bhsd(&t[1])?, &bhsd(&t[2])?, causal, sc)?)
+        })?;
+        for (i, (part, c)) in [("forward", 4.0), ("dq", 8.0), ("dk", 8.0), ("dv", 8.0)].into_iter().enumerate() {
+            let r = rel_err(&ours[i], &want[i])?;
+            let ok = ours[i].dims() == want[i].dims() && r <= c * u;
+            if !ok {
+                return Err(format!(
+                    "attention {part} ({dt:?}, causal {causal}, scale {scale:?}, bshd view {bshd_view}, \
+                     bshd layout {bshd_layout}): norm-wise error {r:.3e} > {c} u = {:.3e}",
+                    c * u
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Misuse is an error naming the op, never a panic: the CPU, an integer dtype, mismatched shapes.
 fn errors() -> R<()> {
     let dev = cuda()?;
@@ -330,13 +521,30 @@ fn errors() -> R<()> {
     if kernels::candle::cross_entropy(&x, &t).is_ok() {
         return Err("cross_entropy with 3 targets for 4 rows did not fail".into());
     }
+    let w = tensor(&dev, 43, &[5, 7], DType::F32)?;
+    let msg =
+        kernels::candle::linear(&x, &w, None).err().ok_or("linear with a [5, 7] weight for 8 inputs did not fail")?;
+    if !msg.to_string().contains("linear") {
+        return Err(format!("linear's error does not name the op: {msg}"));
+    }
+    let q = tensor(&dev, 44, &[1, 2, 8, 16], DType::F32)?;
+    let msg = kernels::candle::scaled_dot_product_attention(&q, &q, &q, false, None)
+        .err()
+        .ok_or("attention in f32 did not fail")?;
+    if !msg.to_string().contains("F32") {
+        return Err(format!("attention's f32 error does not say why: {msg}"));
+    }
+    let q = tensor(&dev, 45, &[2, 8, 16], DType::BF16)?;
+    if kernels::candle::scaled_dot_product_attention(&q, &q, &q, false, None).is_ok() {
+        return Err("attention of rank-3 tensors did not fail".into());
+    }
     Ok(())
 }
 
 /// A two-layer MLP (linear, layer norm, GELU, linear, cross-entropy) trained by SGD twice from
-/// the same weights: with candle's own ops and with ours for the norm, the activation and the
-/// loss. The curves agree to f32 rounding carried through the steps (1e-4 relative), and the loss
-/// falls.
+/// the same weights: with candle's own ops and with ours for the linear layers, the norm, the
+/// activation and the loss. The curves agree to f32 rounding carried through the steps (1e-4
+/// relative), and the loss falls.
 fn mlp() -> R<()> {
     let dev = cuda()?;
     let (n, d, h, c, steps, lr) = (256, 16, 64, 10, 60, 0.3);
@@ -359,11 +567,17 @@ fn mlp() -> R<()> {
         for _ in 0..steps {
             let t = |i: usize| p[i].as_tensor();
             let loss = (|| {
-                let z = x.matmul(t(0))?.broadcast_add(t(1))?;
+                // The weights are stored `[in, out]`: ours take their transposed views.
                 let logits = if ours {
+                    let z = kernels::candle::linear(&x, &t(0).t()?, Some(t(1)))?;
                     let a = kernels::candle::layer_norm(&z, t(2), t(3), EPS)?;
-                    kernels::candle::activation(&a, Activation::Gelu)?.matmul(t(4))?.broadcast_add(t(5))?
+                    kernels::candle::linear(
+                        &kernels::candle::activation(&a, Activation::Gelu)?,
+                        &t(4).t()?,
+                        Some(t(5)),
+                    )?
                 } else {
+                    let z = x.matmul(t(0))?.broadcast_add(t(1))?;
                     norm_ref(&z, t(2), Some(t(3)))?.gelu_erf()?.matmul(t(4))?.broadcast_add(t(5))?
                 };
                 if ours {
@@ -411,6 +625,12 @@ fn main() -> ExitCode {
         tests.push(test(format!("layer_norm_{s}"), move |_| norm_case(false, dt)));
         tests.push(test(format!("rms_norm_{s}"), move |_| norm_case(true, dt)));
         tests.push(test(format!("cross_entropy_{s}"), move |_| cross_entropy_case(dt)));
+        tests.push(test(format!("linear_{s}"), move |_| linear_case(false, dt)));
+        tests.push(test(format!("linear_bias_{s}"), move |_| linear_case(true, dt)));
+    }
+    for dt in [DType::BF16, DType::F16] {
+        let s = format!("{dt:?}").to_lowercase();
+        tests.push(test(format!("attention_{s}"), move |_| attention_case(dt)));
     }
     tests.push(test("errors_name_the_op", |_| errors()));
     tests.push(test("mlp_follows_candles_loss_curve", |_| mlp()));
