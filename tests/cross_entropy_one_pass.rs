@@ -73,10 +73,11 @@ fn reference(c: &Case) -> Want {
         let spread = if eps == 0.0 { 0.0 } else { eps / cols as f64 * xr.iter().sum::<f64>() };
         let zl = if z == 0.0 { 0.0 } else { z * lse * lse };
         w.loss[r] = lse - hot - spread + zl;
-        w.mags[r] = lse.abs()
-            + xt.abs()
-            + eps * xr.iter().map(|v| v.abs()).sum::<f64>() / cols as f64
-            + z.abs() * (lse * lse + 2.0 * lse.abs() * (1.0 + lse.abs()));
+        // Terms that are off (eps or z of 0) add nothing, even beside an infinite logit (0 * inf
+        // would make the bound NaN).
+        let smooth_mag = if eps == 0.0 { 0.0 } else { eps * xr.iter().map(|v| v.abs()).sum::<f64>() / cols as f64 };
+        let z_mag = if z == 0.0 { 0.0 } else { z.abs() * (lse * lse + 2.0 * lse.abs() * (1.0 + lse.abs())) };
+        w.mags[r] = lse.abs() + xt.abs() + smooth_mag + z_mag;
         let gs = c.opts.grad_scale as f64;
         let gn = match ce.reduction {
             Reduction::None => gs * c.grow.as_ref().map_or(1.0, |g| g[r] as f64),
