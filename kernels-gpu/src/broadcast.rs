@@ -199,7 +199,7 @@ mod tests {
             summed: pad(&[2, 1, 4], 1),
             strides: pad(&[12, 4, 1], 0),
         };
-        let mut seen = vec![0; 24];
+        let mut seen = [0; 24];
         for j in 0..3 {
             let base = offset(j, g.rank, &g.kept, &g.strides);
             for k in 0..8 {
