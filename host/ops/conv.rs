@@ -536,9 +536,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn tensor_core_weight_chunks() {
-        let g = ConvGeom {
+    /// ResNet's 3x3 layer of 64 channels at 56 x 56, batch 64, NHWC: the tests' base geometry.
+    fn resnet_3x3() -> ConvGeom {
+        ConvGeom {
             n: 64,
             c: 64,
             h: 56,
@@ -557,7 +557,12 @@ mod tests {
             dil_w: 1,
             nhwc: 1,
             pad: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn tensor_core_weight_chunks() {
+        let g = resnet_3x3();
         assert_eq!(tc_wgrad_chunking(&ConvGeom { n: 0, ..g }), (0, 0));
         for g in [
             g,
@@ -580,26 +585,7 @@ mod tests {
 
     #[test]
     fn tensor_core_rule() {
-        let g = ConvGeom {
-            n: 64,
-            c: 64,
-            h: 56,
-            w: 56,
-            k: 64,
-            r: 3,
-            s: 3,
-            p: 56,
-            q: 56,
-            groups: 1,
-            stride_h: 1,
-            stride_w: 1,
-            pad_h: 1,
-            pad_w: 1,
-            dil_h: 1,
-            dil_w: 1,
-            nhwc: 1,
-            pad: 0,
-        };
+        let g = resnet_3x3();
         assert!(uses_tensor_cores(DType::BF16, &g) && uses_tensor_cores(DType::F16, &g));
         assert!(!uses_tensor_cores(DType::F32, &g));
         for other in [
