@@ -11,6 +11,7 @@ use crate::kernel::KernelEntry;
 
 /// The largest rank of a strided launch.
 pub const MAX_RANK: usize = 8;
+const _: () = assert!(MAX_RANK == 8, "offset() unrolls eight dimensions");
 
 /// The geometry of a [`strided_copy`](StridedArgs): the output's shape (row-major, contiguous)
 /// and, per output dimension, the source's element stride (0 for a broadcast dimension). Unused
@@ -58,17 +59,30 @@ pub type StridedArgs<T> = (*const T, *mut T, StridedGeom, u64);
 pub type SumToArgs<T> = (*const T, *mut T, SumToGeom, u64);
 
 /// The source offset of the flat index `i` of `shape`, reading `strides`: the row-major
-/// multi-index of `i` dotted with the strides (host and device alike).
+/// multi-index of `i` dotted with the strides (host and device alike). The loop runs over the
+/// constant `MAX_RANK` (unrolled: constant indices keep the kernel parameter out of a stack
+/// frame) and skips the dimensions past `rank`.
 #[inline(always)]
+#[allow(unused_assignments)] // the last dimension's `i /= n`
 pub fn offset(mut i: u64, rank: u32, shape: &[u64; MAX_RANK], strides: &[u64; MAX_RANK]) -> u64 {
     let mut off = 0;
-    let mut d = rank as usize;
-    while d > 0 {
-        d -= 1;
-        let n = shape[d];
-        off += (i % n) * strides[d];
-        i /= n;
+    macro_rules! dim {
+        ($d:expr) => {
+            if ($d as u32) < rank {
+                let n = shape[$d];
+                off += (i % n) * strides[$d];
+                i /= n;
+            }
+        };
     }
+    dim!(7);
+    dim!(6);
+    dim!(5);
+    dim!(4);
+    dim!(3);
+    dim!(2);
+    dim!(1);
+    dim!(0);
     off
 }
 
@@ -96,12 +110,8 @@ mod device {
     /// `x` holds the elements of `kept * summed` (its shape), `out` the `n` of `kept`.
     #[inline(always)]
     pub unsafe fn sum_to<T: Elem>(x: *const T, out: *mut T, g: SumToGeom, n: u64) {
-        let mut per = 1u64;
-        let mut d = 0;
-        while d < g.rank as usize {
-            per *= g.summed[d];
-            d += 1;
-        }
+        // Unused dimensions are 1: the product over all of them is the summed count.
+        let per = g.summed.iter().product::<u64>();
         let mut j = global_thread_x();
         let step = grid_threads_x();
         while j < n {
