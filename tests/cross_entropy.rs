@@ -148,6 +148,60 @@ fn ce_errors(dev: &Device) -> Result<(), String> {
     Ok(())
 }
 
+/// Masked classes (logits of -inf, as attention-style masks and vocabulary padding give) without
+/// label smoothing: the loss is finite, as in PyTorch, and their gradient is exactly 0.
+fn ce_masked(dev: &Device) -> Result<(), String> {
+    let (rows, cols) = (6usize, 37usize);
+    for dt in DType::ALL {
+        let mut rng = TestRng::new(11);
+        let mut xs: Vec<f32> = (0..rows * cols).map(|_| round_to(dt, rng.normal() as f32)).collect();
+        let ts: Vec<i64> = (0..rows).map(|r| (r * 5 % cols) as i64).collect();
+        for r in 0..rows {
+            for c in 0..cols {
+                if c as i64 != ts[r] && (c + r) % 3 == 0 {
+                    xs[r * cols + c] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let x = tensor(dev, &xs, &[rows, cols], dt)?;
+        let t = IndexTensor::from_slice(dev, &ts, &[rows]).map_err(e)?;
+        let opts = CrossEntropyOpts { reduction: Reduction::None, ..Default::default() };
+        let (loss, saved) = ops::cross_entropy(&x, &t, opts).map_err(e)?;
+        let got = loss.to_f32_vec().map_err(e)?;
+        let k = k_of(cols) * E;
+        let mut lses = vec![0.0f64; rows];
+        let mut want = vec![0.0f64; rows];
+        for r in 0..rows {
+            let xr: Vec<f64> = xs[r * cols..(r + 1) * cols].iter().map(|&v| v as f64).collect();
+            let m = xr.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            lses[r] = m + xr.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+            want[r] = lses[r] - xr[ts[r] as usize];
+        }
+        compare(
+            "cross_entropy masked",
+            dt,
+            &got,
+            &want,
+            |i| tol(0.0, k * (1.0 + lses[i].abs() + want[i].abs())),
+            |_| None,
+            |i| format!("row {i}"),
+        )?;
+        let ones = tensor(dev, &vec![1.0; rows], &[rows], dt)?;
+        let gx = ops::cross_entropy_backward(&x, &t, &saved, &ones).map_err(e)?.to_f32_vec().map_err(e)?;
+        for (i, &g) in gx.iter().enumerate() {
+            let (r, c) = (i / cols, i % cols);
+            let p = (xs[i] as f64 - lses[r]).exp();
+            let w = p - if c as i64 == ts[r] { 1.0 } else { 0.0 };
+            let bound = p * k * (2.0 + lses[r].abs() + (xs[i] as f64).abs()) + 4.0 * E + ulp(dt, w);
+            let bad = if xs[i] == f32::NEG_INFINITY { g != 0.0 } else { !((g as f64 - w).abs() <= bound) };
+            if bad {
+                return Err(format!("{dt:?} masked backward at row {r}, col {c}: got {g}, want {w}"));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let mut tests = Vec::new();
     for red in [Reduction::None, Reduction::Sum, Reduction::Mean] {
@@ -165,6 +219,7 @@ fn main() -> ExitCode {
         }
         Ok(())
     }));
+    tests.push(test("cross_entropy/masked_classes", ce_masked));
     tests.push(test("cross_entropy/errors", ce_errors));
     run(tests)
 }

@@ -156,7 +156,10 @@ mod device {
                             f32::NAN
                         } else {
                             let xt = (*xr.add(t as usize)).to_f32();
-                            l - (1.0 - eps) * xt - (eps / cols as f32) * sx
+                            // Without smoothing the spread term is left out, not multiplied
+                            // by 0: a -inf logit (a masked class) makes `sx` -inf.
+                            let spread = if eps == 0.0 { 0.0 } else { (eps / cols as f32) * sx };
+                            l - (1.0 - eps) * xt - spread
                         };
                         *loss.add(row as usize) = v;
                         *lse.add(row as usize) = l;
