@@ -172,26 +172,31 @@ pub(crate) fn sort_plan(m: u64) -> Vec<SortPass> {
     plan
 }
 
-/// The backward's sorted keys and row starts for `idx` against `v` rows (`n > 0`).
-fn sort_keys(
+/// The sorted keys of `idx` (`n > 0` indices, at most [`MAX_BACKWARD_INDICES`]) against `v`
+/// rows, `padding` dropped (or -1): `sort_len(n)` keys, by row, then position (see
+/// `kernels_gpu::embedding`). `line` is `(k, b)` of indices seen as `[.., k, b]`, whose lines
+/// number their rows apart (`line_of`; `(n, 1)` for one line), `lines * v` at most [`MAX_ROWS`];
+/// `bad`, if not null, receives a position of an index outside `[0, v)` plus one.
+pub(crate) fn sort_keys(
     op: &'static str,
     dev: &Device,
     idx: &IndexTensor,
     v: u64,
     padding: i64,
-) -> Result<(IndexTensor, IndexTensor)> {
+    line: (u64, u64),
+    bad: *mut u64,
+) -> Result<IndexTensor> {
     let n = idx.numel() as u64;
     let m = sort_len(n);
     let mut keys = IndexTensor::alloc(op, dev, &[m as usize])?;
-    let mut starts = IndexTensor::alloc(op, dev, &[v as usize + 1])?;
     let kp = keys.dev_ptr_mut() as *mut u64;
     for pass in sort_plan(m) {
         match pass {
             SortPass::Tiles { tile } => {
                 let cfg = tile_grid(m, tile);
-                let args: SortTilesArgs = (idx.dev_ptr(), kp, n, v, padding);
+                let args: SortTilesArgs = (idx.dev_ptr(), kp, bad, n, v, padding, line.0, line.1);
                 // SAFETY: idx holds n indices and keys m = grid * tile keys; the block's shared
-                // memory holds its tile.
+                // memory holds its tile; `bad` is null or one u64 (the caller's).
                 unsafe { dev.launch(embedding_bwd_sort_tiles, cfg, args) }?;
             }
             SortPass::Step { k, j } => {
@@ -208,13 +213,27 @@ fn sort_keys(
             }
         }
     }
+    Ok(keys)
+}
+
+/// `starts[r]` for `r <= rows`: the first of the sorted `keys` at or above row `r * step` (the
+/// embedding's rows with `step` 1, the scatter's lines of `step` rows).
+pub(crate) fn row_starts(
+    op: &'static str,
+    dev: &Device,
+    keys: &IndexTensor,
+    rows: u64,
+    step: u64,
+) -> Result<IndexTensor> {
+    let mut starts = IndexTensor::alloc(op, dev, &[rows as usize + 1])?;
     let bps = dev.blocks_per_sm_256(embedding_bwd_starts.name())?;
-    if let Some(cfg) = launch::elementwise(v + 1, 1, 1, dev.sm_count(), bps) {
-        let args: StartsArgs = (keys.dev_ptr() as *const u64, starts.dev_ptr_mut() as *mut u64, m, v);
-        // SAFETY: keys holds m sorted keys, starts v + 1 entries.
+    if let Some(cfg) = launch::elementwise(rows + 1, 1, 1, dev.sm_count(), bps) {
+        let m = keys.numel() as u64;
+        let args: StartsArgs = (keys.dev_ptr() as *const u64, starts.dev_ptr_mut() as *mut u64, m, rows, step);
+        // SAFETY: keys holds m sorted keys, starts rows + 1 entries.
         unsafe { dev.launch(embedding_bwd_starts, cfg, args) }?;
     }
-    Ok((keys, starts))
+    Ok(starts)
 }
 
 /// A block per tile of `tile` keys (a power of two, at least 2) of `m`, half as many threads.
@@ -261,7 +280,10 @@ fn backward(op: &'static str, grad: &Tensor, idx: &IndexTensor, padding: i64, gw
         let z = IndexTensor::zeros(&dev, &[v as usize + 1])?;
         (z.clone(), z)
     } else {
-        sort_keys(op, &dev, idx, v, padding)?
+        let n = idx.numel() as u64;
+        let keys = sort_keys(op, &dev, idx, v, padding, (n, 1), std::ptr::null_mut())?;
+        let starts = row_starts(op, &dev, &keys, v, 1)?;
+        (keys, starts)
     };
     with_elem!(dt, |T| {
         let kernel = <T as EmbeddingElem>::BWD;
@@ -343,7 +365,7 @@ mod tests {
                         let base = b as u64 * tile;
                         for (e, k) in s.iter_mut().enumerate() {
                             let i = base + e as u64;
-                            *k = if i < n { key(idx[i as usize], i, v, padding) } else { DROPPED };
+                            *k = if i < n { key(idx[i as usize], 0, i, v, padding) } else { DROPPED };
                         }
                         let mut k = 2;
                         while k <= tile {
@@ -396,8 +418,9 @@ mod tests {
             let idx: Vec<i64> = (0..n).map(|_| rnd(v + 3) as i64 - 1).collect();
             let padding = if v > 2 { 1 } else { -1 };
             let got = sort_on_cpu(&idx, v, padding);
-            let mut want: Vec<u64> =
-                (0..sort_len(n)).map(|i| if i < n { key(idx[i as usize], i, v, padding) } else { DROPPED }).collect();
+            let mut want: Vec<u64> = (0..sort_len(n))
+                .map(|i| if i < n { key(idx[i as usize], 0, i, v, padding) } else { DROPPED })
+                .collect();
             want.sort_unstable();
             assert_eq!(got, want, "n {n} v {v}");
         }

@@ -5,9 +5,9 @@ use crate::DType;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::launch;
-use crate::tensor::Tensor;
+use crate::tensor::{IndexTensor, Tensor};
 use kernels_gpu::Elem;
-use kernels_gpu::init::{FillArgs, InitElem, RandomArgs};
+use kernels_gpu::init::{FillArgs, InitElem, RandintArgs, RandomArgs, randint};
 use kernels_gpu::kernel::Kernel;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,5 +93,29 @@ impl Tensor {
     /// Sets every element to `value` (rounded to the dtype).
     pub fn fill_(&mut self, value: f32) -> Result<()> {
         fill(self, value)
+    }
+}
+
+impl IndexTensor {
+    /// Integers uniform on `[low, high)`, as `torch.randint(low, high, shape)`, generated on the
+    /// device by Philox4x32-10 from `seed` (`kernels_gpu::init::randint_at`: 64 random bits per
+    /// element scaled by a multiply, each value within `2^-64` of its share): the same seed gives
+    /// the same indices on any GPU. An error unless `low < high`.
+    pub fn randint(dev: &Device, low: i64, high: i64, shape: &[usize], seed: u64) -> Result<IndexTensor> {
+        let op = "IndexTensor::randint";
+        if low >= high {
+            return Err(Error::InvalidArgument { op, message: format!("need low < high, got [{low}, {high})") });
+        }
+        // At most 2^64 - 1: high - low of two i64.
+        let span = (high as i128 - low as i128) as u64;
+        let mut t = IndexTensor::alloc(op, dev, shape)?;
+        let n = t.numel() as u64;
+        let Some(cfg) = launch::elementwise(n, 1, 1, dev.sm_count(), dev.blocks_per_sm_256(randint.name())?) else {
+            return Ok(t);
+        };
+        let args: RandintArgs = (t.dev_ptr_mut(), n, seed as u32, (seed >> 32) as u32, low, span);
+        // SAFETY: t holds n indices, written before the tensor is handed out.
+        unsafe { dev.launch(randint, cfg, args) }?;
+        Ok(t)
     }
 }

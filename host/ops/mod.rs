@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod gemm_tc;
 pub(crate) mod gemm_wgmma;
 pub mod glu;
+pub mod index;
 pub mod init;
 pub mod linear;
 pub mod linear_cross_entropy;
@@ -44,6 +45,10 @@ pub use embedding::{
 pub use gemm::*;
 pub use gemm_tc::{Epilogue, gemm_fused};
 pub use glu::*;
+pub use index::{
+    gather, gather_backward, gather_out, index_add, index_add_, index_select, index_select_backward, index_select_out,
+    scatter_add, scatter_add_,
+};
 pub use linear::*;
 pub use linear_cross_entropy::{LinearCrossEntropy, LinearCrossEntropyOpts, linear_cross_entropy};
 pub use norm::*;
@@ -60,7 +65,7 @@ pub use transpose::*;
 
 /// Every kernel the library launches (the element-wise ops, the gated activations, softmax,
 /// norms, cross-entropy, reductions, transpose, the GEMM, attention, RoPE, the embedding, the
-/// convolution, batch norm, pooling, init, the optimizer, the casts and the math probe), with the
+/// index ops, the convolution, batch norm, pooling, init, the optimizer, the casts and the math probe), with the
 /// parameter count of the signature the host launches it
 /// with; checked against the PTX by the crate's unit tests (`host/ptx_tests.rs`). Each family
 /// derives its list from its declaration's typed handles.
@@ -83,6 +88,7 @@ pub fn all_kernels() -> Vec<(String, usize)> {
     v.extend(kernels_gpu::optim::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::rope::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::embedding::all_kernels().map(|k| (k.name.to_string(), k.arity)));
+    v.extend(kernels_gpu::index::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::batchnorm::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::pool::all_kernels().map(|k| (k.name.to_string(), k.arity)));
     v.extend(kernels_gpu::conv::all_kernels().map(|k| (k.name.to_string(), k.arity)));

@@ -12,6 +12,8 @@
 //! 1. Keys: `(idx[i] << 32) | i` for each valid index (in `[0, V)` and not `padding_idx`),
 //!    `u64::MAX` for the others and for the padding up to `M`, the next power of two. Each key is
 //!    unique, so any correct sort gives the same order: by row, then by position.
+//!    (The index ops of `index.rs` sort with the same kernels: their keys put a line number above
+//!    the index, [`line_of`], and they ask for a position of an index out of range, `bad`.)
 //! 2. A bitonic sort of the `M` keys: tiles of up to [`TILE`] keys sorted in shared memory
 //!    ([`SortTilesArgs`]), then for each merge size `k` above the tile the strides `j >= TILE`
 //!    in global memory ([`SortStepArgs`]) and the rest in shared memory ([`SortMergeArgs`]).
@@ -32,11 +34,14 @@ use crate::kernel::KernelEntry;
 /// `weight` holds `v * d` elements, `out` `n * d`, `idx` `n`; all 16-byte aligned.
 pub type EmbeddingFwdArgs<T> = (*const T, *const i64, *mut T, *mut u64, u64, u64, u64);
 
-/// `(idx, keys, n, v, padding)`: builds the keys of positions `tile * b .. tile * (b + 1)` (block
-/// `b`, `tile` twice the block's threads, a power of two) and sorts each tile ascending or
-/// descending as the bitonic network's first `log2(tile)` merge sizes leave it. `padding` is the
-/// row whose occurrences are dropped, or -1. `idx` holds `n` indices, `keys` the grid's tiles.
-pub type SortTilesArgs = (*const i64, *mut u64, u64, u64, i64);
+/// `(idx, keys, bad, n, v, padding, k, b)`: builds the keys of positions `tile * c .. tile * (c +
+/// 1)` (block `c`, `tile` twice the block's threads, a power of two) and sorts each tile ascending
+/// or descending as the bitonic network's first `log2(tile)` merge sizes leave it. Position `i`'s
+/// key is [`key`]`(idx[i], line_of(i, k, b) * v, i, v, padding)`; `padding` is the row whose
+/// occurrences are dropped, or -1; an index outside `[0, v)` stores `i + 1` at `bad` unless it is
+/// null. The embedding passes `k = n`, `b = 1` (one line). `idx` holds `n` indices, `keys` the
+/// grid's tiles.
+pub type SortTilesArgs = (*const i64, *mut u64, *mut u64, u64, u64, i64, u64, u64);
 
 /// `(keys, m, k, j)`: one compare-exchange step of the bitonic network over all `m` keys (merge
 /// size `k`, stride `j`), a thread per pair.
@@ -46,8 +51,9 @@ pub type SortStepArgs = (*mut u64, u64, u64, u64);
 /// in shared memory, a block per tile (`tile` twice the block's threads).
 pub type SortMergeArgs = (*mut u64, u64);
 
-/// `(keys, starts, m, v)`: `starts[r]` for `r <= v`: the number of sorted keys below `r << 32`.
-pub type StartsArgs = (*const u64, *mut u64, u64, u64);
+/// `(keys, starts, m, v, step)`: `starts[r]` for `r <= v`: the number of sorted keys below
+/// `(r * step) << 32` (the embedding's rows: `step` 1; the scatter's lines of `step` rows each).
+pub type StartsArgs = (*const u64, *mut u64, u64, u64, u64);
 
 /// `(grad_out, keys, starts, grad_weight, v, d)`: `grad_weight[r * d + c]` for `r < v`, `c < d`:
 /// the sum of `grad_out[(key & 0xffff_ffff) * d + c]` over the keys `starts[r]..starts[r + 1]`, in
@@ -77,11 +83,28 @@ pub const fn row_items(dt: DType, d: u64) -> u64 {
     if d.is_multiple_of(v) { d / v } else { d }
 }
 
-/// The sort key of index `r` at position `i` (`i < 2^32`): `(r << 32) | i`, or [`DROPPED`] for an
-/// index outside `[0, v)` or equal to `padding`.
+/// The sort key of index `r` at position `i` (`i < 2^32`) in the line whose first row is `base`:
+/// `((base + r) << 32) | i`, or [`DROPPED`] for an index outside `[0, v)` or equal to `padding`.
+/// The caller keeps `base + v` below `2^32`.
 #[inline(always)]
-pub fn key(r: i64, i: u64, v: u64, padding: i64) -> u64 {
-    if r < 0 || r as u64 >= v || r == padding { DROPPED } else { ((r as u64) << 32) | i }
+pub fn key(r: i64, base: u64, i: u64, v: u64, padding: i64) -> u64 {
+    if !in_range(r, v) || r == padding { DROPPED } else { ((base + r as u64) << 32) | i }
+}
+
+/// Whether index `r` lies in `[0, v)`.
+#[inline(always)]
+pub fn in_range(r: i64, v: u64) -> bool {
+    r >= 0 && (r as u64) < v
+}
+
+/// The line of position `i` of indices of shape `[.., k, b]` (row-major): the positions that
+/// differ only along the `k` dimension share a line, numbered row-major over the other
+/// dimensions, `(i / (k b)) b + i % b`. One line (0) for `k b` = every index. Positions, `k` and
+/// `b` are below `2^32` (the backward's limit), so the divisions are 32-bit.
+#[inline(always)]
+pub fn line_of(i: u64, k: u64, b: u64) -> u64 {
+    let (i, kb, b) = (i as u32, (k * b) as u32, b as u32);
+    ((i / kb) * b + i % b) as u64
 }
 
 /// The pair of compare-exchange `t` at stride `j` (a power of two): `(i, i + j)` with bit `j` of
@@ -115,45 +138,66 @@ mod device {
     use crate::dtype::{Elem, for_lanes};
     use crate::prim::*;
 
-    /// The gather; see [`EmbeddingFwdArgs`].
+    /// The gather of rows, also `index_select`'s (`index.rs`): `x` is `[outer, v, d]`, `out`
+    /// `[outer, n, d]`, `out[a, i, ..] = x[a, idx[i], ..]`, zeros where `idx[i]` is outside
+    /// `[0, v)` (then `*bad = i + 1` unless `bad` is null). The embedding is `outer = 1`.
+    ///
+    /// # Safety
+    /// `x`, `idx` and `out` hold those shapes' elements, 16-byte aligned; `x` is not written by
+    /// the launch; `bad` is null or one u64.
     #[inline(always)]
-    pub unsafe fn fwd<T: Elem>(weight: *const T, idx: *const i64, out: *mut T, bad: *mut u64, n: u64, v: u64, d: u64) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gather_rows<T: Elem>(
+        x: *const T,
+        idx: *const i64,
+        out: *mut T,
+        bad: *mut u64,
+        outer: u64,
+        n: u64,
+        v: u64,
+        d: u64,
+    ) {
         let vw = T::VEC as u64;
         let vector = d.is_multiple_of(vw);
         let per_row = row_items(T::DTYPE, d);
         if per_row == 0 {
             return;
         }
-        let total = n * per_row;
+        let total = outer * n * per_row;
         let mut t = global_thread_x();
         // 32-bit divisions where the indices fit (a 64-bit one is a long software routine).
         let narrow = total <= u32::MAX as u64;
         while t < total {
-            let (i, k) = if narrow {
+            let (row, k) = if narrow {
                 let (t, p) = (t as u32, per_row as u32);
-                let i = t / p;
-                (i as u64, (t - i * p) as u64)
+                let r = t / p;
+                (r as u64, (t - r * p) as u64)
             } else {
                 (t / per_row, t % per_row)
             };
-            // SAFETY: i < n indices; row `r < v` of the weight and row `i` of out hold d
-            // elements; on the vector path the offsets are multiples of the vector width from
-            // 16-byte aligned allocations. The weight is not written by this launch.
+            // The embedding's `outer` is the constant 1: no division.
+            let (a, i) = if outer == 1 {
+                (0, row)
+            } else if narrow {
+                let (row, n) = (row as u32, n as u32);
+                ((row / n) as u64, (row % n) as u64)
+            } else {
+                (row / n, row % n)
+            };
+            // SAFETY: i < n indices, a < outer; row `r < v` of x's slab `a` and row `row` of
+            // out hold d elements; on the vector path the offsets are multiples of the vector
+            // width from 16-byte aligned allocations. x is not written by this launch.
             unsafe {
                 let r = *idx.add(i as usize);
-                let ok = r >= 0 && (r as u64) < v;
+                let ok = in_range(r, v);
+                let src = if ok { (a * v + r as u64) as usize * d as usize } else { 0 };
                 if vector {
-                    let at = (i * d + k * vw) as usize;
-                    let val = if ok {
-                        ld_global_nc_v4(weight.add(r as usize * d as usize + (k * vw) as usize) as *const u32)
-                    } else {
-                        [0; 4]
-                    };
+                    let at = (row * d + k * vw) as usize;
+                    let val = if ok { ld_global_nc_v4(x.add(src + (k * vw) as usize) as *const u32) } else { [0; 4] };
                     st_global_v4(out.add(at) as *mut u32, val);
                 } else {
-                    let at = (i * d + k) as usize;
-                    *out.add(at) =
-                        if ok { *weight.add(r as usize * d as usize + k as usize) } else { T::from_f32(0.0) };
+                    let at = (row * d + k) as usize;
+                    *out.add(at) = if ok { *x.add(src + k as usize) } else { T::from_f32(0.0) };
                 }
                 if !ok && k == 0 && !bad.is_null() {
                     *bad = i + 1;
@@ -161,6 +205,13 @@ mod device {
             }
             t += grid_threads_x();
         }
+    }
+
+    /// See [`EmbeddingFwdArgs`].
+    #[inline(always)]
+    pub unsafe fn fwd<T: Elem>(weight: *const T, idx: *const i64, out: *mut T, bad: *mut u64, n: u64, v: u64, d: u64) {
+        // SAFETY: the same contract, with one slab.
+        unsafe { gather_rows(weight, idx, out, bad, 1, n, v, d) }
     }
 
     /// One compare-exchange of the pair `(i, l)` of `s` (ascending if `asc`).
@@ -181,7 +232,17 @@ mod device {
 
     /// See [`SortTilesArgs`].
     #[inline(always)]
-    pub unsafe fn sort_tiles(idx: *const i64, keys: *mut u64, n: u64, v: u64, padding: i64) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sort_tiles(
+        idx: *const i64,
+        keys: *mut u64,
+        bad: *mut u64,
+        n: u64,
+        v: u64,
+        padding: i64,
+        lk: u64,
+        lb: u64,
+    ) {
         let s = dyn_smem::<u64>();
         let half = block_dim_x() as u64;
         let tile = 2 * half;
@@ -189,8 +250,19 @@ mod device {
         let t = thread_idx_x() as u64;
         for e in [t, t + half] {
             let i = base + e;
-            // SAFETY: i < n indices; the block's shared memory holds `tile` keys (the launch's).
-            unsafe { *s.add(e as usize) = if i < n { key(*idx.add(i as usize), i, v, padding) } else { DROPPED } };
+            // SAFETY: i < n indices; `bad` is null or one u64; the block's shared memory holds
+            // `tile` keys (the launch's).
+            unsafe {
+                let mut k = DROPPED;
+                if i < n {
+                    let r = *idx.add(i as usize);
+                    k = key(r, line_of(i, lk, lb) * v, i, v, padding);
+                    if !in_range(r, v) && !bad.is_null() {
+                        *bad = i + 1;
+                    }
+                }
+                *s.add(e as usize) = k;
+            }
         }
         sync_threads();
         let mut k = 2;
@@ -252,47 +324,79 @@ mod device {
 
     /// See [`StartsArgs`].
     #[inline(always)]
-    pub unsafe fn starts(keys: *const u64, starts: *mut u64, m: u64, v: u64) {
+    pub unsafe fn starts(keys: *const u64, starts: *mut u64, m: u64, v: u64, step: u64) {
         let mut r = global_thread_x();
         while r <= v {
             // SAFETY: the search reads keys below m; starts holds v + 1 entries.
-            unsafe { *starts.add(r as usize) = lower_bound(m, r << 32, |p| *keys.add(p as usize)) };
+            unsafe { *starts.add(r as usize) = lower_bound(m, (r * step) << 32, |p| *keys.add(p as usize)) };
             r += grid_threads_x();
         }
     }
 
-    /// See [`EmbeddingBwdArgs`].
+    /// The sums of rows, also `index_add`'s (`index.rs`): `src` is `[outer, k, d]`, `out` and
+    /// `dst` `[outer, v, d]`; `out[a, r, ..]` = `dst[a, r, ..]` (+0.0 where `dst` is null) plus
+    /// `src[a, key & 0xffff_ffff, ..]` over the keys `starts[r]..starts[r + 1]` in that order, in
+    /// f32, rounded once. The embedding's backward is `outer = 1`, `dst` null.
+    ///
+    /// # Safety
+    /// The tensors hold those shapes' elements, 16-byte aligned; `starts` holds `v + 1` bounds of
+    /// sorted keys whose positions are below `k`. `out` may be `dst` (each element is read and
+    /// written by one thread); `src`, `keys` and `starts` are not written by the launch.
     #[inline(always)]
-    pub unsafe fn bwd<T: Elem>(g: *const T, keys: *const u64, starts: *const u64, gw: *mut T, v: u64, d: u64) {
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sum_rows<T: Elem>(
+        src: *const T,
+        keys: *const u64,
+        starts: *const u64,
+        dst: *const T,
+        out: *mut T,
+        outer: u64,
+        v: u64,
+        k: u64,
+        d: u64,
+    ) {
         let vw = T::VEC as u64;
         let vector = d.is_multiple_of(vw);
         let per_row = row_items(T::DTYPE, d);
         if per_row == 0 {
             return;
         }
-        let total = v * per_row;
+        let total = outer * v * per_row;
         let mut t = global_thread_x();
         let narrow = total <= u32::MAX as u64;
         let pos = |p: u64| (p & 0xffff_ffff) as usize;
         while t < total {
-            let (r, k) = if narrow {
+            let (row, c) = if narrow {
                 let (t, p) = (t as u32, per_row as u32);
                 let r = t / p;
                 (r as u64, (t - r * p) as u64)
             } else {
                 (t / per_row, t % per_row)
             };
-            // SAFETY: starts holds v + 1 entries, bounds of keys whose positions are below the
-            // gradient's rows (`key`); row `p` of the gradient and `r` of gw hold d elements; on
-            // the vector path the offsets are multiples of the vector width from 16-byte
-            // aligned allocations. Nothing read here is written by this launch.
+            // The embedding's `outer` is the constant 1: no division.
+            let (a, r) = if outer == 1 {
+                (0, row)
+            } else if narrow {
+                let (row, v) = (row as u32, v as u32);
+                ((row / v) as u64, (row % v) as u64)
+            } else {
+                (row / v, row % v)
+            };
+            // SAFETY: per the function contract: r < v, a < outer; row `a * k + p` of src (p a
+            // key's position, below k) and row `row` of dst and out hold d elements; on the
+            // vector path the offsets are multiples of the vector width from 16-byte aligned
+            // allocations. src, keys and starts are not written by this launch; dst is read
+            // with a coherent load, as out may be dst.
             unsafe {
                 let (s0, s1) = (*starts.add(r as usize), *starts.add(r as usize + 1));
                 let du = d as usize;
+                let slab = (a * k) as usize;
                 if vector {
-                    let col = (k * vw) as usize;
-                    let load = |p: usize| T::unpack(ld_global_nc_v4(g.add(p * du + col) as *const u32));
-                    let mut acc = [0.0f32; 8];
+                    let col = (c * vw) as usize;
+                    let at = row as usize * du + col;
+                    let load = |p: usize| T::unpack(ld_global_nc_v4(src.add((slab + p) * du + col) as *const u32));
+                    let mut acc =
+                        if dst.is_null() { [0.0f32; 8] } else { T::unpack(ld_global_v4(dst.add(at) as *const u32)) };
                     let mut q = s0;
                     // BATCH rows in flight (a frequent token's row sums hundreds), added in order.
                     while q + BATCH as u64 <= s1 {
@@ -314,20 +418,27 @@ mod device {
                         );
                         q += 1;
                     }
-                    st_global_v4(gw.add(r as usize * du + col) as *mut u32, T::pack(&acc));
+                    st_global_v4(out.add(at) as *mut u32, T::pack(&acc));
                 } else {
-                    let col = k as usize;
-                    let mut acc = 0.0f32;
+                    let at = row as usize * du + c as usize;
+                    let mut acc = if dst.is_null() { 0.0f32 } else { (*dst.add(at)).to_f32() };
                     let mut q = s0;
                     while q < s1 {
-                        acc += (*g.add(pos(*keys.add(q as usize)) * du + col)).to_f32();
+                        acc += (*src.add((slab + pos(*keys.add(q as usize))) * du + c as usize)).to_f32();
                         q += 1;
                     }
-                    *gw.add(r as usize * du + col) = T::from_f32(acc);
+                    *out.add(at) = T::from_f32(acc);
                 }
             }
             t += grid_threads_x();
         }
+    }
+
+    /// See [`EmbeddingBwdArgs`].
+    #[inline(always)]
+    pub unsafe fn bwd<T: Elem>(g: *const T, keys: *const u64, starts: *const u64, gw: *mut T, v: u64, d: u64) {
+        // SAFETY: the same contract, with one slab and no dst.
+        unsafe { sum_rows(g, keys, starts, core::ptr::null(), gw, 1, v, 0, d) }
     }
 }
 
@@ -360,10 +471,11 @@ macro_rules! embedding_kernels {
 crate::for_each_elem!(embedding_kernels);
 
 crate::kernel!(embedding_bwd_sort_tiles: SortTilesArgs =
-    |idx, keys, n, v, padding| sort_tiles(idx, keys, n, v, padding));
+    |idx, keys, bad, n, v, padding, k, b| sort_tiles(idx, keys, bad, n, v, padding, k, b));
 crate::kernel!(embedding_bwd_sort_step: SortStepArgs = |keys, m, k, j| sort_step(keys, m, k, j));
 crate::kernel!(embedding_bwd_sort_merge: SortMergeArgs = |keys, k| sort_merge(keys, k));
-crate::kernel!(embedding_bwd_starts: StartsArgs = |keys, starts_out, m, v| starts(keys, starts_out, m, v));
+crate::kernel!(embedding_bwd_starts: StartsArgs =
+    |keys, starts_out, m, v, step| starts(keys, starts_out, m, v, step));
 
 /// Every kernel of the family: its name and arity (for the test against the PTX).
 #[cfg(not(target_arch = "nvptx64"))]
@@ -394,13 +506,26 @@ mod tests {
         assert_eq!(row_items(DType::F32, 768), 192);
         assert_eq!(row_items(DType::F16, 9), 9);
         assert_eq!(row_items(DType::F32, 0), 0);
-        assert_eq!(key(3, 7, 10, -1), (3 << 32) | 7);
-        assert_eq!(key(0, 0, 10, -1), 0);
+        assert_eq!(key(3, 0, 7, 10, -1), (3 << 32) | 7);
+        assert_eq!(key(3, 20, 7, 10, -1), (23 << 32) | 7);
+        assert_eq!(key(0, 0, 0, 10, -1), 0);
         for (r, p) in [(-1, -1), (10, -1), (11, -1), (i64::MIN, -1), (4, 4)] {
-            assert_eq!(key(r, 7, 10, p), DROPPED);
+            assert_eq!(key(r, 0, 7, 10, p), DROPPED);
         }
         // The largest row and position allowed stay below DROPPED.
-        assert!(key(u32::MAX as i64 - 1, u32::MAX as u64, u32::MAX as u64, -1) < DROPPED);
+        assert!(key(u32::MAX as i64 - 1, 0, u32::MAX as u64, u32::MAX as u64, -1) < DROPPED);
+        assert!(key(0, u32::MAX as u64 - 1, u32::MAX as u64, 1, -1) < DROPPED);
+    }
+
+    #[test]
+    fn lines_group_positions_that_differ_along_k() {
+        // Indices [2, 3, 4]: positions (a, j, b) with a < 2, j < 3, b < 4 lie on line a * 4 + b.
+        for i in 0..24u64 {
+            let (a, b) = (i / 12, i % 4);
+            assert_eq!(line_of(i, 3, 4), a * 4 + b, "position {i}");
+        }
+        // One line: the embedding's (k = n, b = 1).
+        assert!((0..100).all(|i| line_of(i, 100, 1) == 0));
     }
 
     #[test]

@@ -9,6 +9,9 @@
 pub type FillArgs<T> = (*mut T, u64, f32);
 /// `(y, n, seed_lo, seed_hi, p, q)`: uniform on `[p, q)` or normal with mean `p`, std `q`.
 pub type RandomArgs<T> = (*mut T, u64, u32, u32, f32, f32);
+/// `(y, n, seed_lo, seed_hi, low, span)`: int64 indices, `y[i] = `[`randint_at`]`(seed, i, low,
+/// span)`, uniform on `[low, low + span)`.
+pub type RandintArgs = (*mut i64, u64, u32, u32, i64, u64);
 
 /// The family's kernels of one storage type `T`, typed: `fill_<dt>`, `uniform_<dt>`, `normal_<dt>`.
 #[allow(missing_docs)]
@@ -98,6 +101,28 @@ pub fn normal_at(seed: u64, i: u64, mean: f32, std: f32) -> f32 {
     crate::math::fma(if i.is_multiple_of(2) { z0 } else { z1 }, std, mean)
 }
 
+/// The high 64 bits of the 128-bit product `a b`, from 32-bit halves (no 128-bit arithmetic on
+/// the device).
+#[inline(always)]
+pub fn mul_hi_u64(a: u64, b: u64) -> u64 {
+    let (a0, a1, b0, b1) = (a & 0xffff_ffff, a >> 32, b & 0xffff_ffff, b >> 32);
+    let (p00, p01, p10, p11) = (a0 * b0, a0 * b1, a1 * b0, a1 * b1);
+    let mid = (p00 >> 32) + (p01 & 0xffff_ffff) + (p10 & 0xffff_ffff);
+    p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32)
+}
+
+/// Element `i` of an int64 tensor uniform on `[low, low + span)` (`span >= 1`): 64 random bits
+/// `w` (two Philox words; elements `2m` and `2m + 1` share one call) scaled to
+/// `floor(w span / 2^64)` (Lemire's multiply, no division). Each value's probability is within
+/// `2^-64` of `1 / span`.
+#[inline(always)]
+pub fn randint_at(seed: u64, i: u64, low: i64, span: u64) -> i64 {
+    let w = random_words(seed, i / 2);
+    let (hi, lo) = if i.is_multiple_of(2) { (w[0], w[1]) } else { (w[2], w[3]) };
+    let bits = ((hi as u64) << 32) | lo as u64;
+    low.wrapping_add(mul_hi_u64(bits, span) as i64)
+}
+
 #[cfg(target_arch = "nvptx64")]
 mod device {
     use super::*;
@@ -140,6 +165,17 @@ mod device {
         let seed = s0 as u64 | (s1 as u64) << 32;
         unsafe { fill_with(y, n, |i| normal_at(seed, i, mean, std)) }
     }
+
+    /// See [`RandintArgs`]: an element a thread.
+    pub unsafe fn randint_fill(y: *mut i64, n: u64, s0: u32, s1: u32, low: i64, span: u64) {
+        let seed = s0 as u64 | (s1 as u64) << 32;
+        let mut i = global_thread_x();
+        while i < n {
+            // SAFETY: i < n, the elements of y.
+            unsafe { *y.add(i as usize) = randint_at(seed, i, low, span) };
+            i += grid_threads_x();
+        }
+    }
 }
 
 #[cfg(target_arch = "nvptx64")]
@@ -163,6 +199,8 @@ macro_rules! init_kernels {
 }
 crate::for_each_elem!(init_kernels);
 
+crate::kernel!(randint: RandintArgs = |y, n, s0, s1, low, span| randint_fill(y, n, s0, s1, low, span));
+
 /// Every kernel of the family: its name and arity (for the test against the PTX).
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
@@ -174,5 +212,33 @@ pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
     {
         [T::INIT.fill.entry(), T::INIT.uniform.entry(), T::INIT.normal.entry()]
     }
-    [entries::<f32>(), entries::<F16>(), entries::<BF16>()].into_iter().flatten()
+    [entries::<f32>(), entries::<F16>(), entries::<BF16>()].into_iter().flatten().chain([randint.entry()])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mul_hi_is_the_high_half_of_the_product() {
+        let vals = [0u64, 1, 2, 3, 0xffff_ffff, 0x1_0000_0000, 0xdead_beef_cafe_f00d, u64::MAX - 1, u64::MAX];
+        for &a in &vals {
+            for &b in &vals {
+                assert_eq!(mul_hi_u64(a, b), ((a as u128 * b as u128) >> 64) as u64, "{a:#x} * {b:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn randint_stays_in_its_range() {
+        for (low, span) in [(0i64, 1u64), (-5, 7), (i64::MIN, u64::MAX), (i64::MAX - 2, 3), (10, 1 << 40)] {
+            for i in 0..200 {
+                let r = randint_at(42, i, low, span);
+                let off = (r as i128 - low as i128) as u128;
+                assert!(off < span as u128, "low {low} span {span}: {r}");
+            }
+        }
+        // Two elements per Philox call, each its own word pair.
+        assert_ne!(randint_at(1, 0, 0, u64::MAX), randint_at(1, 1, 0, u64::MAX));
+    }
 }

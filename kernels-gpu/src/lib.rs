@@ -54,6 +54,7 @@ pub mod gemm_tc;
 pub mod gemm_tf32x3;
 pub mod gemm_wgmma;
 pub mod glu;
+pub mod index;
 pub mod init;
 pub mod kernel;
 pub mod math;
