@@ -193,7 +193,9 @@ fn ce_masked(dev: &Device) -> Result<(), String> {
             let p = (xs[i] as f64 - lses[r]).exp();
             let w = p - if c as i64 == ts[r] { 1.0 } else { 0.0 };
             let bound = p * k * (2.0 + lses[r].abs() + (xs[i] as f64).abs()) + 4.0 * E + ulp(dt, w);
-            let bad = if xs[i] == f32::NEG_INFINITY { g != 0.0 } else { !((g as f64 - w).abs() <= bound) };
+            // NaN is bad: it compares as no ordering.
+            let within = (g as f64 - w).abs().partial_cmp(&bound).is_some_and(|o| o.is_le());
+            let bad = if xs[i] == f32::NEG_INFINITY { g != 0.0 } else { !within };
             if bad {
                 return Err(format!("{dt:?} masked backward at row {r}, col {c}: got {g}, want {w}"));
             }
