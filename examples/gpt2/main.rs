@@ -415,6 +415,10 @@ impl Dump {
 fn train_run(dev: &Device, args: &Args) -> AnyResult<()> {
     let mut s = settings(args)?;
     let load = args.path("load");
+    if load.is_some() && args.has("dump") {
+        // The parity script starts PyTorch's AdamW from zero moments at step 0.
+        return Err("--dump records a run from its initialization: not with --load".into());
+    }
     let meta = load.as_deref().map(checkpoint_meta).transpose()?;
     if let Some(meta) = &meta {
         let c = checkpoint_config(meta)?;
