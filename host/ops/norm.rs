@@ -154,11 +154,7 @@ fn forward(
     eps: f32,
 ) -> Result<(Tensor, NormStats)> {
     let (_, _) = rows_of(op, x)?;
-    let dev = x.device();
-    let stat_shape = &x.shape()[..x.shape().len() - 1];
-    let mut y = x.alloc_like(op)?;
-    let mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
-    let mut stats = NormStats { mean, rstd: Tensor::alloc(op, dev, stat_shape, DType::F32)? };
+    let (mut y, mut stats) = (x.alloc_like(op)?, alloc_stats(op, kind, x)?);
     forward_out(op, kind, x, None, weight, bias, eps, &mut y, &mut stats)?;
     Ok((y, stats))
 }
@@ -196,10 +192,10 @@ fn add_forward_(
     Ok((y, stats))
 }
 
-/// New statistics for the rows of `x` (a mean for layer norm).
+/// New statistics for the rows of `x` (a mean for layer norm); `x` has a last dimension.
 fn alloc_stats(op: &'static str, kind: Kind, x: &Tensor) -> Result<NormStats> {
     let dev = x.device();
-    let stat_shape = &x.shape()[..x.shape().len().saturating_sub(1)];
+    let stat_shape = &x.shape()[..x.shape().len() - 1];
     let mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
     Ok(NormStats { mean, rstd: Tensor::alloc(op, dev, stat_shape, DType::F32)? })
 }
