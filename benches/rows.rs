@@ -1,5 +1,6 @@
 //! Row-operation benchmarks: softmax, layer norm and RMS norm (forward and backward) on the four
-//! standard shapes and a small one, log-softmax, cross-entropy forward +
+//! standard shapes and a small one, the residual add fused with layer and RMS norm (forward, and
+//! backward with the residual stream's gradient) on LLM shapes, log-softmax, cross-entropy forward +
 //! backward at 8192 x 32000 and 8192 x 128256 (two-pass and one-pass), the fused linear +
 //! cross-entropy at 8192 x 4096 -> 128256, sums (whole tensor, along rows, and over the rows per column at
 //! 8192 x 4096: a linear layer's bias gradient), and transpose. Timed by the
@@ -21,7 +22,9 @@
 //! input read once and each output written once: softmax forward 2N elements, backward 3N (y and
 //! grad in, grad_x out); the norms likewise plus their weight, bias and per-row statistics;
 //! cross-entropy forward + backward 3N (logits read by each, the gradient written), one-pass 2N
-//! (read once, the gradient written); sums N; transpose 2N. The fused linear + cross-entropy
+//! (read once, the gradient written); sums N; transpose 2N; the fused add and norm forward 4N
+//! (x and the residual in, h and y out), backward 4N (h, grad and dh in, the input's gradient
+//! out), each with its parameters and statistics. The fused linear + cross-entropy
 //! (`linear_cross_entropy@<rows>x<classes>`, hidden size [`LCE_HIDDEN`]) counts the hidden states
 //! and the weight read and their gradients written; its time and peak memory are the point.
 
@@ -34,6 +37,10 @@ use kernels::{DType, Device, IndexTensor, Result, Tensor};
 /// The suite's shapes, and a small one.
 const SHAPES: [(usize, usize); 5] = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)];
 
+/// The shapes of the fused residual add and norm: Llama 3 8B's 16384 tokens of 4096, and 8192
+/// of 5120 (Llama 2 13B's width).
+const ADD_NORM_SHAPES: [(usize, usize); 2] = [(16384, 4096), (8192, 5120)];
+
 /// The hidden size of the fused linear + cross-entropy case (Llama 3 8B's).
 const LCE_HIDDEN: usize = 4096;
 
@@ -43,6 +50,8 @@ enum Op {
     LogSoftmax,
     LayerNorm,
     RmsNorm,
+    AddLayerNorm,
+    AddRmsNorm,
     CrossEntropy,
     CrossEntropyOnePass,
     LinearCrossEntropy,
@@ -59,6 +68,8 @@ impl Op {
             Op::LogSoftmax => "log_softmax",
             Op::LayerNorm => "layer_norm",
             Op::RmsNorm => "rms_norm",
+            Op::AddLayerNorm => "add_layer_norm",
+            Op::AddRmsNorm => "add_rms_norm",
             Op::CrossEntropy => "cross_entropy",
             Op::CrossEntropyOnePass => "cross_entropy_one_pass",
             Op::LinearCrossEntropy => "linear_cross_entropy",
@@ -83,6 +94,12 @@ fn case(op: Op, dir: &'static str, dt: DType, rows: usize, cols: usize) -> Case 
         // x, grad in, grad_x out, weight in, statistics in, weight and bias gradients out.
         (Op::LayerNorm, _) => (3 * n64 + 3 * c64) * s + 8 * r64,
         (Op::RmsNorm, _) => (3 * n64 + 2 * c64) * s + 4 * r64,
+        // x and the residual in, h and y out, weight (and bias) in, statistics out.
+        (Op::AddLayerNorm, "fwd") => (4 * n64 + 2 * c64) * s + 8 * r64,
+        (Op::AddRmsNorm, "fwd") => (4 * n64 + c64) * s + 4 * r64,
+        // h, grad and dh in, the input's gradient out, weight in, its gradients out, statistics in.
+        (Op::AddLayerNorm, _) => (4 * n64 + 3 * c64) * s + 8 * r64,
+        (Op::AddRmsNorm, _) => (4 * n64 + 2 * c64) * s + 4 * r64,
         (Op::CrossEntropy, _) => 3 * n64 * s + 8 * r64,
         (Op::CrossEntropyOnePass, _) => 2 * n64 * s + 8 * r64,
         (Op::LinearCrossEntropy, _) => 2 * (r64 + c64) * LCE_HIDDEN as u64 * s + 8 * r64,
@@ -157,6 +174,35 @@ fn build(dev: &Device, op: Op, dir: &str, dt: DType, rows: usize, cols: usize, s
                 })
             }
         }
+        Op::AddLayerNorm | Op::AddRmsNorm => {
+            let layer = matches!(op, Op::AddLayerNorm);
+            let eps = 1e-5;
+            let res = Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed + 4)?;
+            let f = move |x: &Tensor, r: &Tensor, w: &Tensor, b: &Tensor| {
+                if layer {
+                    ops::add_layer_norm(x, r, Some(w), Some(b), eps)
+                } else {
+                    ops::add_rms_norm(x, r, Some(w), eps)
+                }
+            };
+            if fwd {
+                Box::new(move || {
+                    let o = f(&x, &res, &w, &b)?;
+                    Ok([Some(o.y), Some(o.h), o.stats.mean, Some(o.stats.rstd)].into_iter().flatten().collect())
+                })
+            } else {
+                let o = f(&x, &res, &w, &b)?;
+                let (g, dh) = (g()?, Tensor::rand_normal(dev, &[rows, cols], dt, 0.0, 1.0, seed + 5)?);
+                Box::new(move || {
+                    let gr = if layer {
+                        ops::add_layer_norm_backward(&o.h, Some(&w), Some(&b), &o.stats, &g, Some(&dh))?
+                    } else {
+                        ops::add_rms_norm_backward(&o.h, Some(&w), &o.stats, &g, Some(&dh))?
+                    };
+                    Ok([Some(gr.x), gr.weight, gr.bias].into_iter().flatten().collect())
+                })
+            }
+        }
         Op::CrossEntropy => {
             let t = targets()?;
             let one = Tensor::full(dev, &[], dt, 1.0)?;
@@ -201,6 +247,16 @@ fn cases() -> Vec<Case> {
                 continue;
             }
             for op in [Op::Softmax, Op::LayerNorm, Op::RmsNorm] {
+                v.push(case(op, "fwd", dt, r, c));
+                v.push(case(op, "bwd", dt, r, c));
+            }
+        }
+    }
+    let add_shapes =
+        if std::env::var_os("KERNELS_BENCH_SHAPES").is_some() { shapes() } else { ADD_NORM_SHAPES.to_vec() };
+    for dt in [DType::F32, DType::BF16] {
+        for &(r, c) in &add_shapes {
+            for op in [Op::AddLayerNorm, Op::AddRmsNorm] {
                 v.push(case(op, "fwd", dt, r, c));
                 v.push(case(op, "bwd", dt, r, c));
             }

@@ -8,6 +8,11 @@ Backward baselines are PyTorch's own backward kernels as autograd calls them:
 aten._softmax_backward_data / _log_softmax_backward_data from the forward's output,
 aten.native_layer_norm_backward from the saved mean and rstd (with weight and bias gradients),
 and, for RMS norm (a composite op in eager PyTorch), torch.autograd.grad over a retained graph.
+The fused residual add and norm (add_layer_norm, add_rms_norm) against the eager composition
+``h = x + residual; y = F.layer_norm(h, ...)`` (or ``F.rms_norm``) returning y and h, and its
+backward by torch.autograd.grad of (y, h) given (grad, dh) over a retained graph: the norm's
+backward kernels and the add of dh, the gradient of x (and so of the residual) and of the
+parameters.
 Cross-entropy is F.cross_entropy forward and backward (autograd) together; it is also the
 baseline of the one-pass cross-entropy (cross_entropy_one_pass, the same computation), and
 F.cross_entropy(F.linear(h, W), t) with the gradients of h and W that of the fused
@@ -29,9 +34,11 @@ aten = torch.ops.aten
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = [(16384, 4096), (65536, 1024), (4096, 32768), (262144, 128), (64, 1024)]
+ADD_NORM_SHAPES = [(16384, 4096), (8192, 5120)]
 CUSTOM = os.environ.get("KERNELS_BENCH_SHAPES")
 if CUSTOM:
     SHAPES = [tuple(int(d) for d in s.strip().split("x")) for s in CUSTOM.split(",")]
+    ADD_NORM_SHAPES = SHAPES
 g_ = torch.Generator(device=dev).manual_seed(0)
 LCE_HIDDEN = 4096
 
@@ -47,6 +54,10 @@ def cases():
             if dt == "bf16" and r == 64:
                 continue
             for op in ["softmax", "layer_norm", "rms_norm"]:
+                out += [(op, "fwd", dt, r, c), (op, "bwd", dt, r, c)]
+    for dt in DTYPES:
+        for r, c in ADD_NORM_SHAPES:
+            for op in ["add_layer_norm", "add_rms_norm"]:
                 out += [(op, "fwd", dt, r, c), (op, "bwd", dt, r, c)]
     for r, c in [(16384, 4096), (64, 1024)]:
         out += [("log_softmax", "fwd", "f32", r, c), ("log_softmax", "bwd", "f32", r, c)]
@@ -77,6 +88,10 @@ def nbytes(op, direction, r, c, dt):
         return (2 * n + 2 * c) * s + 8 * r if direction == "fwd" else (3 * n + 3 * c) * s + 8 * r
     if op == "rms_norm":
         return (2 * n + c) * s + 4 * r if direction == "fwd" else (3 * n + 2 * c) * s + 4 * r
+    if op == "add_layer_norm":
+        return (4 * n + 2 * c) * s + 8 * r if direction == "fwd" else (4 * n + 3 * c) * s + 8 * r
+    if op == "add_rms_norm":
+        return (4 * n + c) * s + 4 * r if direction == "fwd" else (4 * n + 2 * c) * s + 4 * r
     if op == "cross_entropy":
         return 3 * n * s + 8 * r
     if op == "cross_entropy_one_pass":
@@ -120,6 +135,22 @@ def build(op, direction, dt, r, c):
         xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
         y = F.rms_norm(xr, (c,), wr, 1e-5)
         return lambda: torch.autograd.grad(y, (xr, wr), g, retain_graph=True)
+    if op in ("add_layer_norm", "add_rms_norm"):
+        res = normal((r, c), t)
+
+        def norm(h, w, b):
+            return F.layer_norm(h, (c,), w, b, 1e-5) if op == "add_layer_norm" else F.rms_norm(h, (c,), w, 1e-5)
+
+        def fused(x, res, w, b):
+            h = x + res
+            return norm(h, w, b), h
+        if direction == "fwd":
+            return lambda: fused(x, res, w, b)
+        xr, wr, br = (t_.detach().requires_grad_(True) for t_ in (x, w, b))
+        y, h = fused(xr, res, wr, br)
+        dh = normal((r, c), t)
+        wants = (xr, wr, br) if op == "add_layer_norm" else (xr, wr)
+        return lambda: torch.autograd.grad((y, h), wants, (g, dh), retain_graph=True)
     if op in ("cross_entropy", "cross_entropy_one_pass"):
         tgt = torch.randint(0, c, (r,), device=dev, generator=g_)
         xr = x.detach().requires_grad_(True)

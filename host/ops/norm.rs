@@ -1,5 +1,6 @@
 //! Layer norm and RMS norm over the last dimension (host side of `kernels-gpu/src/norm.rs`),
-//! forward and backward.
+//! forward and backward, and the same fused with the residual add before them
+//! (`add_layer_norm`, `add_rms_norm`: `h = x + residual`, `y = norm(h)`, one pass each way).
 
 use super::check::{check_same_device, check_same_dtype, check_same_shape, row_matches, rows_cols, with_elem};
 use crate::error::{Error, Result};
@@ -38,6 +39,25 @@ pub struct NormGrads {
     pub bias: Option<Tensor>,
 }
 
+/// What the fused residual add and norm ([`add_layer_norm`], [`add_rms_norm`]) return.
+#[derive(Debug)]
+pub struct AddNorm {
+    /// The norm of `h`: `x`'s shape and dtype.
+    pub y: Tensor,
+    /// The new residual `h = x + residual`, rounded to the dtype as PyTorch's eager `x + residual`
+    /// (an f32 sum, rounded once): the next layer's residual and the backward's input.
+    pub h: Tensor,
+    /// The statistics of `h`'s rows, for the backward.
+    pub stats: NormStats,
+}
+
+/// The fused add's operands of a forward: `h = x + residual` is written to `h` and normalised;
+/// `residual` `None`: `h` holds the residual and is overwritten (in place).
+struct Residual<'a> {
+    residual: Option<&'a Tensor>,
+    h: &'a mut Tensor,
+}
+
 /// The register-resident instances the forward chooses from for rows of `cols`: the op's, eight
 /// vectors a thread only where [`rows::eight_vectors_fwd`] says.
 fn fwd_vectors<T>(op: &NormOp<T>, dt: DType, cols: u64) -> Vec<usize> {
@@ -47,16 +67,17 @@ fn fwd_vectors<T>(op: &NormOp<T>, dt: DType, cols: u64) -> Vec<usize> {
 /// A launch of the backward's row kernels.
 type BwdPlan<T> = RowPlan<Kernel<NormBwdArgs<T>>>;
 
-/// The forward's kernel and launch.
+/// The forward's kernel and launch (of the fused add's kernels if `add`).
 fn forward_plan<T: NormElem>(
     dev: &crate::Device,
     kind: Kind,
+    add: bool,
     rows: u64,
     cols: u64,
 ) -> Result<Option<RowPlan<Kernel<NormFwdArgs<T>>>>> {
     let dt = T::DTYPE;
     let table = T::NORM;
-    let op = kind.op(&table);
+    let op = kind.op(&table, add);
     fwd_row_plan(dev, &op.fwd, dt, rows, cols, &fwd_vectors(op, dt, cols), kind.fwd_spread(dt))
 }
 
@@ -67,9 +88,9 @@ enum Kind {
 }
 
 impl Kind {
-    /// The kind's kernels in `table`.
-    fn op<T>(self, table: &kernels_gpu::norm::NormKernels<T>) -> &NormOp<T> {
-        table.op(self == Kind::Layer)
+    /// The kind's kernels in `table`, the fused residual add's if `add`.
+    fn op<T>(self, table: &kernels_gpu::norm::NormKernels<T>, add: bool) -> &NormOp<T> {
+        table.op(self == Kind::Layer, add)
     }
     /// How the forward spreads a row of `dt` (see [`Spread::Two`]): two vectors a thread for
     /// f16/bf16, four for f32.
@@ -133,20 +154,59 @@ fn forward(
     eps: f32,
 ) -> Result<(Tensor, NormStats)> {
     let (_, _) = rows_of(op, x)?;
-    let dev = x.device();
-    let stat_shape = &x.shape()[..x.shape().len() - 1];
-    let mut y = x.alloc_like(op)?;
-    let mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
-    let mut stats = NormStats { mean, rstd: Tensor::alloc(op, dev, stat_shape, DType::F32)? };
-    forward_out(op, kind, x, weight, bias, eps, &mut y, &mut stats)?;
+    let (mut y, mut stats) = (x.alloc_like(op)?, alloc_stats(op, kind, x)?);
+    forward_out(op, kind, x, None, weight, bias, eps, &mut y, &mut stats)?;
     Ok((y, stats))
 }
 
+/// The fused forward into new tensors: `h = x + residual` and its norm.
+fn add_forward(
+    op: &'static str,
+    kind: Kind,
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<AddNorm> {
+    let (_, _) = rows_of(op, x)?;
+    let mut out = AddNorm { y: x.alloc_like(op)?, h: x.alloc_like(op)?, stats: alloc_stats(op, kind, x)? };
+    let AddNorm { y, h, stats } = &mut out;
+    forward_out(op, kind, x, Some(Residual { residual: Some(residual), h }), weight, bias, eps, y, stats)?;
+    Ok(out)
+}
+
+/// The fused forward in place: `h = x + residual` into `residual`, and its norm.
+fn add_forward_(
+    op: &'static str,
+    kind: Kind,
+    x: &Tensor,
+    residual: &mut Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<(Tensor, NormStats)> {
+    let (_, _) = rows_of(op, x)?;
+    let (mut y, mut stats) = (x.alloc_like(op)?, alloc_stats(op, kind, x)?);
+    forward_out(op, kind, x, Some(Residual { residual: None, h: residual }), weight, bias, eps, &mut y, &mut stats)?;
+    Ok((y, stats))
+}
+
+/// New statistics for the rows of `x` (a mean for layer norm); `x` has a last dimension.
+fn alloc_stats(op: &'static str, kind: Kind, x: &Tensor) -> Result<NormStats> {
+    let dev = x.device();
+    let stat_shape = &x.shape()[..x.shape().len() - 1];
+    let mean = if kind == Kind::Layer { Some(Tensor::alloc(op, dev, stat_shape, DType::F32)?) } else { None };
+    Ok(NormStats { mean, rstd: Tensor::alloc(op, dev, stat_shape, DType::F32)? })
+}
+
+/// The forward into `y` and `stats`; with `add`, of `h = x + residual` (written to `add.h`).
 #[allow(clippy::too_many_arguments)]
 fn forward_out(
     op: &'static str,
     kind: Kind,
     x: &Tensor,
+    add: Option<Residual<'_>>,
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
     eps: f32,
@@ -161,11 +221,31 @@ fn forward_out(
     check_same_device(op, x, y)?;
     check_same_dtype(op, x, y)?;
     check_same_shape(op, x, y, "the output must have the input's shape")?;
+    if let Some(r) = &add {
+        for (t, what) in
+            [(r.residual, "the residual must have the input's shape"), (Some(&*r.h), "h must have the input's shape")]
+        {
+            if let Some(t) = t {
+                check_same_device(op, x, t)?;
+                check_same_dtype(op, x, t)?;
+                check_same_shape(op, x, t, what)?;
+            }
+        }
+    }
     let stat_shape = &x.shape()[..x.shape().len() - 1];
     check_stats(op, kind, x, stats, stat_shape)?;
     let NormStats { mean, rstd } = stats;
     with_elem!(x.dtype(), |T| {
-        if let Some(p) = forward_plan::<T>(dev, kind, rows, cols)? {
+        if let Some(p) = forward_plan::<T>(dev, kind, add.is_some(), rows, cols)? {
+            // `h` first: made writable (copied if a clone shares it) before its address is read,
+            // which in place is also the residual's.
+            let (res_p, h_p): (*const T, *mut T) = match add {
+                Some(Residual { residual, h }) => {
+                    let h_p = h.dev_ptr_mut()?;
+                    (residual.map_or(h_p as *const T, |r| r.dev_ptr()), h_p)
+                }
+                None => (std::ptr::null(), std::ptr::null_mut()),
+            };
             let mean_p = ptr_mut_or_null(mean.as_mut())?;
             let args: NormFwdArgs<T> = (
                 x.dev_ptr(),
@@ -177,9 +257,13 @@ fn forward_out(
                 rows,
                 cols,
                 eps,
+                res_p,
+                h_p,
             );
             // SAFETY: x, y hold rows * cols elements of T, weight and bias cols (or are null),
-            // mean and rstd rows floats (mean null for rms).
+            // mean and rstd rows floats (mean null for rms); residual and h rows * cols (h the
+            // residual in place; distinct from x and y, which `&mut` and the copy on write of a
+            // shared tensor ensure) for the fused kernels, null for the others.
             unsafe { dev.launch(p.kernel, p.cfg, args) }?;
         }
         Ok(())
@@ -227,6 +311,7 @@ fn colsums(
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn backward(
     op: &'static str,
     kind: Kind,
@@ -235,17 +320,20 @@ fn backward(
     want_bias: bool,
     stats: &NormStats,
     grad: &Tensor,
+    grad_h: Option<&Tensor>,
 ) -> Result<NormGrads> {
     let (_, cols) = rows_of(op, x)?;
     let dev = x.device();
     let alloc = |on: bool| on.then(|| Tensor::alloc(op, dev, &[cols as usize], x.dtype())).transpose();
     let mut grads = NormGrads { x: x.alloc_like(op)?, weight: alloc(weight.is_some())?, bias: alloc(want_bias)? };
-    backward_out(op, kind, x, weight, stats, grad, &mut grads)?;
+    backward_out(op, kind, x, weight, stats, grad, grad_h, &mut grads)?;
     Ok(grads)
 }
 
 /// The backward into `grads`: the weight's gradient is computed if `grads.weight` is given (which
-/// needs the weight), the bias's if `grads.bias` is.
+/// needs the weight), the bias's if `grads.bias` is; `grad_h` (the fused add's `dh`, `x`'s shape)
+/// is added to the input's gradient.
+#[allow(clippy::too_many_arguments)]
 fn backward_out(
     op: &'static str,
     kind: Kind,
@@ -253,12 +341,18 @@ fn backward_out(
     weight: Option<&Tensor>,
     stats: &NormStats,
     grad: &Tensor,
+    grad_h: Option<&Tensor>,
     grads: &mut NormGrads,
 ) -> Result<()> {
     check_param(op, x, weight, "the weight must match the last dimension")?;
     check_same_device(op, x, grad)?;
     check_same_dtype(op, x, grad)?;
     check_same_shape(op, x, grad, "grad must have the input's shape")?;
+    if let Some(d) = grad_h {
+        check_same_device(op, x, d)?;
+        check_same_dtype(op, x, d)?;
+        check_same_shape(op, x, d, "the residual's gradient must have the input's shape")?;
+    }
     let (rows, cols) = rows_of(op, x)?;
     let stat_shape = &x.shape()[..x.shape().len() - 1];
     check_stats(op, kind, x, stats, stat_shape)?;
@@ -273,11 +367,12 @@ fn backward_out(
     check_param(op, x, grads.bias.as_ref(), "the bias's gradient must match the last dimension")?;
     let NormGrads { x: gx, weight: gw, bias: gb } = grads;
     with_elem!(x.dtype(), |T| {
-        backward_launch::<T>(op, kind, (rows, cols), x, weight, stats, grad, mean_p, gx, gw, gb)
+        backward_launch::<T>(op, kind, (rows, cols), x, weight, stats, (grad, grad_h), mean_p, gx, gw, gb)
     })
 }
 
-/// [`backward_out`]'s launches for elements of `T`, its arguments checked.
+/// [`backward_out`]'s launches for elements of `T`, its arguments checked: the fused add's
+/// kernels where `grad_h` is given, else the norm's.
 #[allow(clippy::too_many_arguments)]
 fn backward_launch<T: NormElem>(
     op: &'static str,
@@ -286,7 +381,7 @@ fn backward_launch<T: NormElem>(
     x: &Tensor,
     weight: Option<&Tensor>,
     stats: &NormStats,
-    grad: &Tensor,
+    (grad, grad_h): (&Tensor, Option<&Tensor>),
     mean_p: *const f32,
     gx: &mut Tensor,
     gw: &mut Option<Tensor>,
@@ -295,7 +390,8 @@ fn backward_launch<T: NormElem>(
     let dev = x.device();
     let dt = x.dtype();
     let table = T::NORM;
-    let norm = kind.op(&table);
+    let norm = kind.op(&table, grad_h.is_some());
+    let dh_p: *const T = ptr_or_null(grad_h);
     let want_params = gw.is_some() || gb.is_some();
     let slices = if want_params { slices_plan(dev, norm, dt, rows, cols)? } else { None };
     if let Some(p) = slices {
@@ -310,11 +406,12 @@ fn backward_launch<T: NormElem>(
             ptr_mut_or_null(gb.as_mut())?,
             rows,
             cols,
+            dh_p,
         );
-        // SAFETY: x, grad, gx hold rows * cols elements of T; weight, dw, db cols (or
-        // null); the statistics rows floats (checked above); the launch is one cluster of
-        // the kernel's size, its blocks and shared memory as `bwd_slices` requires
-        // (slices_plan).
+        // SAFETY: x, grad, gx (and dh, or null) hold rows * cols elements of T; weight, dw, db
+        // cols (or null); the statistics rows floats (checked above); the launch is one
+        // cluster of the kernel's size, its blocks and shared memory as `bwd_slices` requires
+        // (slices_plan). gx aliases no input: `&mut`, and a shared tensor is copied first.
         return unsafe { dev.launch(p.kernel, p.cfg, args) };
     }
     let Some((p, chunks)) = backward_plan(dev, norm, dt, rows, cols, want_params)? else {
@@ -342,9 +439,10 @@ fn backward_launch<T: NormElem>(
         part_p,
         rows,
         cols,
+        dh_p,
     );
-    // SAFETY: x, grad, gx hold rows * cols elements of T; weight cols (or null); the
-    // statistics rows floats (checked above); partial 2 * grid * cols floats or null.
+    // SAFETY: x, grad, gx (and dh, or null) hold rows * cols elements of T; weight cols (or
+    // null); the statistics rows floats (checked above); partial 2 * grid * cols floats or null.
     unsafe { dev.launch(p.kernel, cfg, args) }?;
     if !want_params {
         return Ok(());
@@ -521,11 +619,37 @@ pub fn norm_kernels(
     cols: u64,
     params: bool,
 ) -> Result<[String; 2]> {
+    kernels_of(dev, layer, false, dt, rows, cols, params)
+}
+
+/// [`norm_kernels`] of the fused residual add and norm, the backward with `dh` (without it, the
+/// backward is the norm's).
+#[doc(hidden)]
+pub fn add_norm_kernels(
+    dev: &crate::Device,
+    layer: bool,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    params: bool,
+) -> Result<[String; 2]> {
+    kernels_of(dev, layer, true, dt, rows, cols, params)
+}
+
+fn kernels_of(
+    dev: &crate::Device,
+    layer: bool,
+    add: bool,
+    dt: DType,
+    rows: u64,
+    cols: u64,
+    params: bool,
+) -> Result<[String; 2]> {
     let kind = if layer { Kind::Layer } else { Kind::Rms };
     with_elem!(dt, |T| {
         let table = T::NORM;
-        let norm = kind.op(&table);
-        let fwd = forward_plan::<T>(dev, kind, rows, cols)?.map(|p| p.kernel.name());
+        let norm = kind.op(&table, add);
+        let fwd = forward_plan::<T>(dev, kind, add, rows, cols)?.map(|p| p.kernel.name());
         let one = if params { slices_plan(dev, norm, dt, rows, cols)? } else { None };
         let bwd = match one {
             Some(p) => Some(p.kernel.name()),
@@ -599,7 +723,7 @@ pub fn layer_norm_backward(
 ) -> Result<NormGrads> {
     let op = "layer_norm_backward";
     check_param(op, x, bias, "the bias must match the last dimension")?;
-    backward(op, Kind::Layer, x, weight, bias.is_some(), stats, grad)
+    backward(op, Kind::Layer, x, weight, bias.is_some(), stats, grad, None)
 }
 
 /// RMS norm over the last dimension, as `F.rms_norm(x, (cols,), weight, eps)`:
@@ -611,7 +735,7 @@ pub fn rms_norm(x: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<(Tensor
 
 /// Gradients of [`rms_norm`]: of `x` and of the weight.
 pub fn rms_norm_backward(x: &Tensor, weight: Option<&Tensor>, stats: &NormStats, grad: &Tensor) -> Result<NormGrads> {
-    backward("rms_norm_backward", Kind::Rms, x, weight, false, stats, grad)
+    backward("rms_norm_backward", Kind::Rms, x, weight, false, stats, grad, None)
 }
 
 /// [`layer_norm`] into `y` (the shape and dtype of `x`) and `stats` (f32, one per row, with a
@@ -624,7 +748,7 @@ pub fn layer_norm_out(
     y: &mut Tensor,
     stats: &mut NormStats,
 ) -> Result<()> {
-    forward_out("layer_norm", Kind::Layer, x, weight, bias, eps, y, stats)
+    forward_out("layer_norm", Kind::Layer, x, None, weight, bias, eps, y, stats)
 }
 
 /// [`layer_norm_backward`] into `grads`: the weight's gradient if `grads.weight` is given, the
@@ -636,7 +760,7 @@ pub fn layer_norm_backward_out(
     grad: &Tensor,
     grads: &mut NormGrads,
 ) -> Result<()> {
-    backward_out("layer_norm_backward", Kind::Layer, x, weight, stats, grad, grads)
+    backward_out("layer_norm_backward", Kind::Layer, x, weight, stats, grad, None, grads)
 }
 
 /// [`rms_norm`] into `y` (the shape and dtype of `x`) and `stats` (f32, one per row, no mean).
@@ -647,7 +771,7 @@ pub fn rms_norm_out(
     y: &mut Tensor,
     stats: &mut NormStats,
 ) -> Result<()> {
-    forward_out("rms_norm", Kind::Rms, x, weight, None, eps, y, stats)
+    forward_out("rms_norm", Kind::Rms, x, None, weight, None, eps, y, stats)
 }
 
 /// [`rms_norm_backward`] into `grads` (the weight's gradient if `grads.weight` is given; no bias).
@@ -661,7 +785,140 @@ pub fn rms_norm_backward_out(
     if grads.bias.is_some() {
         return Err(Error::InvalidArgument { op: "rms_norm_backward", message: "RMS norm has no bias".into() });
     }
-    backward_out("rms_norm_backward", Kind::Rms, x, weight, stats, grad, grads)
+    backward_out("rms_norm_backward", Kind::Rms, x, weight, stats, grad, None, grads)
+}
+
+/// The residual add fused with layer norm: `h = x + residual` (rounded to the dtype, as PyTorch's
+/// eager `x + residual`), `y = layer_norm(h)` as [`layer_norm`], in one kernel: one read of `x` and
+/// `residual`, one write of `h` and `y`. Returns `y`, `h` and `h`'s statistics for the backward.
+pub fn add_layer_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<AddNorm> {
+    add_forward("add_layer_norm", Kind::Layer, x, residual, weight, bias, eps)
+}
+
+/// [`add_layer_norm`] in place: `h` is written over `residual` (a clone sharing its memory is
+/// left as it was); returns `y` and the statistics.
+pub fn add_layer_norm_(
+    x: &Tensor,
+    residual: &mut Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+) -> Result<(Tensor, NormStats)> {
+    add_forward_("add_layer_norm", Kind::Layer, x, residual, weight, bias, eps)
+}
+
+/// [`add_layer_norm`] into `out` (`y` and `h` of `x`'s shape and dtype, the statistics f32 with a
+/// mean).
+pub fn add_layer_norm_out(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f32,
+    out: &mut AddNorm,
+) -> Result<()> {
+    let AddNorm { y, h, stats } = out;
+    let add = Some(Residual { residual: Some(residual), h });
+    forward_out("add_layer_norm", Kind::Layer, x, add, weight, bias, eps, y, stats)
+}
+
+/// Gradients of [`add_layer_norm`] from the forward's `h` and statistics, `grad` (of `y`) and
+/// `grad_h` (of `h`, flowing in from later layers through the residual stream; `None`: zero).
+/// `.x` is the gradient of both `x` and `residual` (`grad_h + layer_norm_backward(grad)`, one
+/// rounding), `.weight`, `.bias` as [`layer_norm_backward`]'s. One pass over the rows plus the
+/// weight's column sums, as the norm's backward.
+pub fn add_layer_norm_backward(
+    h: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grad_h: Option<&Tensor>,
+) -> Result<NormGrads> {
+    let op = "add_layer_norm_backward";
+    check_param(op, h, bias, "the bias must match the last dimension")?;
+    backward(op, Kind::Layer, h, weight, bias.is_some(), stats, grad, grad_h)
+}
+
+/// [`add_layer_norm_backward`] into `grads` (the weight's gradient if `grads.weight` is given,
+/// the bias's if `grads.bias` is).
+pub fn add_layer_norm_backward_out(
+    h: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grad_h: Option<&Tensor>,
+    grads: &mut NormGrads,
+) -> Result<()> {
+    backward_out("add_layer_norm_backward", Kind::Layer, h, weight, stats, grad, grad_h, grads)
+}
+
+/// The residual add fused with RMS norm: `h = x + residual` (rounded to the dtype, as PyTorch's
+/// eager `x + residual`), `y = rms_norm(h)` as [`rms_norm`], in one kernel: one read of `x` and
+/// `residual`, one write of `h` and `y`. Returns `y`, `h` and `h`'s statistics for the backward.
+pub fn add_rms_norm(x: &Tensor, residual: &Tensor, weight: Option<&Tensor>, eps: f32) -> Result<AddNorm> {
+    add_forward("add_rms_norm", Kind::Rms, x, residual, weight, None, eps)
+}
+
+/// [`add_rms_norm`] in place: `h` is written over `residual` (a clone sharing its memory is left
+/// as it was); returns `y` and the statistics.
+pub fn add_rms_norm_(
+    x: &Tensor,
+    residual: &mut Tensor,
+    weight: Option<&Tensor>,
+    eps: f32,
+) -> Result<(Tensor, NormStats)> {
+    add_forward_("add_rms_norm", Kind::Rms, x, residual, weight, None, eps)
+}
+
+/// [`add_rms_norm`] into `out` (`y` and `h` of `x`'s shape and dtype, the statistics f32, no
+/// mean).
+pub fn add_rms_norm_out(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: Option<&Tensor>,
+    eps: f32,
+    out: &mut AddNorm,
+) -> Result<()> {
+    let AddNorm { y, h, stats } = out;
+    let add = Some(Residual { residual: Some(residual), h });
+    forward_out("add_rms_norm", Kind::Rms, x, add, weight, None, eps, y, stats)
+}
+
+/// Gradients of [`add_rms_norm`] from the forward's `h` and statistics, `grad` (of `y`) and
+/// `grad_h` (of `h`; `None`: zero): `.x` of both `x` and `residual` (`grad_h +
+/// rms_norm_backward(grad)`, one rounding), `.weight` as [`rms_norm_backward`]'s.
+pub fn add_rms_norm_backward(
+    h: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grad_h: Option<&Tensor>,
+) -> Result<NormGrads> {
+    backward("add_rms_norm_backward", Kind::Rms, h, weight, false, stats, grad, grad_h)
+}
+
+/// [`add_rms_norm_backward`] into `grads` (the weight's gradient if `grads.weight` is given; no
+/// bias).
+pub fn add_rms_norm_backward_out(
+    h: &Tensor,
+    weight: Option<&Tensor>,
+    stats: &NormStats,
+    grad: &Tensor,
+    grad_h: Option<&Tensor>,
+    grads: &mut NormGrads,
+) -> Result<()> {
+    let op = "add_rms_norm_backward";
+    if grads.bias.is_some() {
+        return Err(Error::InvalidArgument { op, message: "RMS norm has no bias".into() });
+    }
+    backward_out(op, Kind::Rms, h, weight, stats, grad, grad_h, grads)
 }
 
 #[cfg(test)]
@@ -675,8 +932,10 @@ mod tests {
         fn check<T: NormElem>() {
             let table = T::NORM;
             for kind in [Kind::Layer, Kind::Rms] {
-                let sizes: Vec<u32> = kind.op(&table).bwd.cluster_sizes(CLUSTER_VECTORS as usize).collect();
-                assert!(!sizes.is_empty(), "{:?}", T::DTYPE);
+                for add in [false, true] {
+                    let sizes: Vec<u32> = kind.op(&table, add).bwd.cluster_sizes(CLUSTER_VECTORS as usize).collect();
+                    assert!(!sizes.is_empty(), "{:?}", T::DTYPE);
+                }
             }
         }
         check::<f32>();

@@ -26,22 +26,35 @@
 //! launch, one round trip to memory (`bwd_slices`). Rows too long for registers use a
 //! streaming row kernel and a separate column kernel (`*_colgrad`) for `dw`, `db`: two more reads
 //! of `x` and `g`, the price of rows over 8192 elements.
+//!
+//! The fused residual add (`add_layer_norm_*`, `add_rms_norm_*`): the same kernels with `ADD`
+//! set. The forward reads `x` and `residual`, writes `h = x + residual` (an f32 sum rounded once
+//! to the storage type, as PyTorch's eager `x + residual`) and normalises `h` from its registers:
+//! one read of each input, one write of each output. The backward of `y = norm(h)` given also
+//! the gradient `dh` flowing into `h` from later layers is the norm's backward over `h` with `dh`
+//! added to the input's gradient as it is stored: `dx = dresidual = dh + norm_backward(dy)`, the
+//! weight and bias gradients unchanged. Without `dh` the plain norm's backward kernels serve.
 
 use crate::kernel::{Kernel, KernelEntry, Params};
 use crate::rows::RowKernels;
 #[cfg(not(target_arch = "nvptx64"))]
 use crate::rows::RowVariant;
 
-/// `(x, w, b, y, mean, rstd, rows, cols, eps)`. `w`, `b` may be null (no affine part); `mean`
-/// is null for RMS norm. `mean` and `rstd` are f32, one per row.
-pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut f32, u64, u64, f32);
-/// `(x, w, g, mean, rstd, gx, partial, rows, cols)`. `w` may be null; `mean` is null for RMS
+/// `(x, w, b, y, mean, rstd, rows, cols, eps, residual, h)`. `w`, `b` may be null (no affine
+/// part); `mean` is null for RMS norm. `mean` and `rstd` are f32, one per row. `residual` and
+/// `h` (`x`'s shape) are read and written by the fused add's kernels (`add_<op>_fwd_*`: `h = x +
+/// residual`, normalised; `h` may be `residual`, in place) and ignored by the plain norms' (null).
+pub type NormFwdArgs<T> = (*const T, *const T, *const T, *mut T, *mut f32, *mut f32, u64, u64, f32, *const T, *mut T);
+/// `(x, w, g, mean, rstd, gx, partial, rows, cols, dh)`. `w` may be null; `mean` is null for RMS
 /// norm; `partial` (f32, `[2][gridDim.x][cols]`: dw then db) is null when neither is wanted.
-pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64);
-/// `(x, w, g, mean, rstd, gx, dw, db, rows, cols)`: the backward of a grid that is one cluster of
-/// `K` blocks (`<op>_bwd_slices_k<K>_v<V>_<dtype>`, sm_90, `K` 8 or 16), which writes `dw`, `db`
-/// itself (either may be null: not wanted).
-pub type NormBwdOneArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut T, *mut T, u64, u64);
+/// `dh` (`x`'s shape) is added to `gx` by the fused add's kernels (`add_<op>_bwd_*`, where `x` is
+/// the forward's `h`) and ignored by the plain norms' (null).
+pub type NormBwdArgs<T> = (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut f32, u64, u64, *const T);
+/// `(x, w, g, mean, rstd, gx, dw, db, rows, cols, dh)`: the backward of a grid that is one
+/// cluster of `K` blocks (`<op>_bwd_slices_k<K>_v<V>_<dtype>`, sm_90, `K` 8 or 16), which writes
+/// `dw`, `db` itself (either may be null: not wanted); `dh` as in [`NormBwdArgs`].
+pub type NormBwdOneArgs<T> =
+    (*const T, *const T, *const T, *const f32, *const f32, *mut T, *mut T, *mut T, u64, u64, *const T);
 /// Blocks of the single-cluster backward: its whole grid (portable cluster size; the wide
 /// instances take 16, Hopper's non-portable maximum, which the host opts each into at load).
 pub const ONE_CLUSTER: u32 = 8;
@@ -203,8 +216,53 @@ mod device {
         }
     }
 
+    /// `h = x + residual` over this thread's slots of a row, `x` already in registers (`raw`):
+    /// rounded to `T` as PyTorch's eager `x + residual` (an f32 sum, rounded once), stored to `h`
+    /// and returned packed, for the norm to read in place of `x`.
+    ///
+    /// Every residual load is issued before the first store: in place (`h` is `residual`) a store
+    /// may alias a later load, so neither compiler may move the loads above the stores, and
+    /// interleaved they would wait one round trip each.
+    ///
+    /// # Safety
+    /// `res` and `h` hold the row at `off` as `x` does (whole vectors, 16-byte aligned); `h` may
+    /// be `res` (each element is read, by coherent loads, before the thread that reads it writes
+    /// it) and aliases nothing else the launch reads.
+    #[inline(always)]
+    unsafe fn add_residual<T: Elem, const V: usize>(
+        raw: [[u32; 4]; V],
+        res: *const T,
+        h: *mut T,
+        off: usize,
+        nvec: u64,
+        g: &Group,
+        ok: bool,
+    ) -> [[u32; 4]; V] {
+        // SAFETY: the function's contract.
+        let rr = unsafe { load_row_coherent::<T, V>(res.add(off), nvec, g, ok) };
+        let mut out = raw;
+        for_slots::<V>(
+            #[inline(always)]
+            |s| {
+                if slot_present(g, s, nvec, ok) {
+                    let (a, r) = (T::unpack(raw[s]), T::unpack(rr[s]));
+                    let mut v = [0.0f32; 8];
+                    for_lanes::<T>(
+                        #[inline(always)]
+                        |k| v[k] = a[k] + r[k],
+                    );
+                    out[s] = T::pack(&v);
+                    // SAFETY: slot s is inside the row (the contract).
+                    unsafe { st_global_v4(h.add(off + slot_col::<T>(g, s) as usize) as *mut u32, out[s]) };
+                }
+            },
+        );
+        out
+    }
+
+    /// The register-resident forward; with `ADD`, of `h = x + residual` (see the module).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn fwd_reg<T: Elem, N: Norm, const V: usize>(
+    pub unsafe fn fwd_reg<T: Elem, N: Norm, const V: usize, const ADD: bool>(
         x: *const T,
         w: *const T,
         b: *const T,
@@ -214,6 +272,7 @@ mod device {
         rows: u64,
         cols: u64,
         eps: f32,
+        (res, h): (*const T, *mut T),
     ) {
         let g = Group::this();
         let row = g.first_row();
@@ -244,6 +303,8 @@ mod device {
             );
             raw
         };
+        // SAFETY: residual and h are rows of x's shape (host-checked).
+        let raw = if ADD { unsafe { add_residual::<T, V>(raw, res, h, off, nvec, &g, ok) } } else { raw };
         // The row is in registers: the exact two-pass variance, as two sum reductions (the mean,
         // then the squared deviations from it), cheaper than merging (count, mean, M2) triples,
         // whose merge divides.
@@ -316,8 +377,11 @@ mod device {
         red.finish();
     }
 
+    /// The streaming forward; with `ADD`, of `h = x + residual` (see the module): the first pass
+    /// reads `x` and `residual` and writes `h`, the later ones read `h` back (mostly from L2),
+    /// each element by the thread that wrote it, through coherent loads.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn fwd_stream<T: Elem, N: Norm>(
+    pub unsafe fn fwd_stream<T: Elem, N: Norm, const ADD: bool>(
         x: *const T,
         w: *const T,
         b: *const T,
@@ -327,6 +391,7 @@ mod device {
         rows: u64,
         cols: u64,
         eps: f32,
+        (res, h): (*const T, *mut T),
     ) {
         let g = Group::this();
         let wv = T::VEC as u64;
@@ -337,13 +402,20 @@ mod device {
             |row| {
                 let ok = row < rows;
                 let off = if ok { (row * cols) as usize } else { 0 };
-                // SAFETY: all element indices below are < cols within row `row`.
+                // SAFETY: all element indices below are < cols within row `row`; residual and h
+                // have x's shape (host-checked) where ADD.
                 let (xr, yr) = unsafe { (x.add(off), y.add(off)) };
+                let (rr, hr) = if ADD { unsafe { (res.add(off), h.add(off)) } } else { (res, h) };
+                // The row the norm reads: x, or h once the first pass has written it.
+                let src: *const T = if ADD { hr } else { xr };
                 let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
                 let load = #[inline(always)]
-                |c: u64| unsafe { T::unpack(ld_global_nc_v4(xr.add(c as usize) as *const u32)) };
+                |c: u64| unsafe {
+                    let p = src.add(c as usize) as *const u32;
+                    T::unpack(if ADD { ld_global_v4(p) } else { ld_global_nc_v4(p) })
+                };
                 let one = #[inline(always)]
-                |c: u64| unsafe { (*xr.add(c as usize)).to_f32() };
+                |c: u64| unsafe { (*src.add(c as usize)).to_f32() };
                 // The exact two-pass variance here too: the sum (from memory), then the squared
                 // deviations from the mean (the row again, from L2 as a rule), then the output.
                 let sum_of = |f: &dyn Fn(f32) -> f32| {
@@ -366,11 +438,51 @@ mod device {
                     );
                     group_reduce(&g, [s], [0.0], add1)[0]
                 };
+                // The fused add's first pass: over x + residual, writing h.
+                let first = |f: &dyn Fn(f32) -> f32| {
+                    let s = fold_row(
+                        sp,
+                        wv,
+                        &g,
+                        0.0f32,
+                        #[inline(always)]
+                        |c: u64| unsafe {
+                            let c = c as usize;
+                            (ld_global_nc_v4(xr.add(c) as *const u32), ld_global_v4(rr.add(c) as *const u32))
+                        },
+                        #[inline(always)]
+                        |mut acc, c, (a, r): ([u32; 4], [u32; 4])| {
+                            let (a, r) = (T::unpack(a), T::unpack(r));
+                            let mut v = [0.0f32; 8];
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| v[k] = a[k] + r[k],
+                            );
+                            let p = T::pack(&v);
+                            // SAFETY: inside row `row` of h.
+                            unsafe { st_global_v4(hr.add(c as usize) as *mut u32, p) };
+                            let v = T::unpack(p);
+                            for_lanes::<T>(
+                                #[inline(always)]
+                                |k| acc += f(v[k]),
+                            );
+                            acc
+                        },
+                        #[inline(always)]
+                        |acc, c| unsafe {
+                            let c = c as usize;
+                            let v = T::from_f32((*xr.add(c)).to_f32() + (*rr.add(c)).to_f32());
+                            *hr.add(c) = v;
+                            acc + f(v.to_f32())
+                        },
+                    );
+                    group_reduce(&g, [s], [0.0], add1)[0]
+                };
                 let st = if N::CENTER {
-                    let m = sum_of(&|v| v) * inv_n;
+                    let m = if ADD { first(&|v| v) } else { sum_of(&|v| v) } * inv_n;
                     [cols as f32, m, sum_of(&|v| (v - m) * (v - m))]
                 } else {
-                    [0.0, 0.0, sum_of(&|v| v * v)]
+                    [0.0, 0.0, if ADD { first(&|v| v * v) } else { sum_of(&|v| v * v) }]
                 };
                 let (mu, rs) = finish::<N>(st, inv_n, eps);
                 unsafe { save_stats(&g, ok, row, mean, rstd, mu, rs) };
@@ -394,7 +506,7 @@ mod device {
                     },
                     #[inline(always)]
                     |(), c| unsafe {
-                        let v = (*xr.add(c as usize)).to_f32();
+                        let v = one(c);
                         *yr.add(c as usize) = T::from_f32((v - mu) * rs * param(w, c, 1.0) + param(b, c, 0.0));
                     },
                 );
@@ -444,6 +556,19 @@ mod device {
         fma(g * w, rs, fma(x, -k, c0))
     }
 
+    /// With the fused add, `dh` (a vector as loaded) added to a vector of `gx` before it is
+    /// rounded and stored: `dx = dh + norm_backward(dy)`, one rounding. Nothing without it.
+    #[inline(always)]
+    fn add_dh<T: Elem, const ADD: bool>(gx: &mut [f32; 8], dh: [u32; 4]) {
+        if ADD {
+            let d = T::unpack(dh);
+            for_lanes::<T>(
+                #[inline(always)]
+                |k| gx[k] += d[k],
+            );
+        }
+    }
+
     /// The part of each row a block of the register-resident backward owns, and its rows.
     struct Span {
         /// First column and whole vectors of the block's part of a row.
@@ -488,8 +613,11 @@ mod device {
     ///
     /// The column sums of `dw`, `db`: each block writes its partial row to `partial`
     /// (`norm_colsum` adds them).
+    ///
+    /// With `ADD`, `dh` (loaded with `x` and `g`) is added to each element of `gx` as it is
+    /// stored (see the module).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32>(
+    pub unsafe fn bwd_reg<T: Elem, N: Norm, const V: usize, const C: u32, const ADD: bool>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -499,6 +627,7 @@ mod device {
         partial: *mut f32,
         rows: u64,
         cols: u64,
+        dh: *const T,
     ) {
         // The column sums' kernel (`norm_colsum`) may be scheduled now: it waits for this grid.
         launch_dependents();
@@ -507,9 +636,15 @@ mod device {
         let nvec = sp.nvec;
         // The block's part of every row, and of the weights, starts at column col0.
         // SAFETY: col0 + nvec * VEC <= cols (span).
-        let (x, w, gr, gx) = unsafe {
+        let (x, w, gr, gx, dh) = unsafe {
             let c0 = sp.col0 as usize;
-            (x.add(c0), if w.is_null() { w } else { w.add(c0) }, gr.add(c0), gx.add(c0))
+            (
+                x.add(c0),
+                if w.is_null() { w } else { w.add(c0) },
+                gr.add(c0),
+                gx.add(c0),
+                if ADD { dh.add(c0) } else { dh },
+            )
         };
         let inv_n = 1.0 / cols as f32;
         // This thread's columns are the same in every row: their weights stay in registers
@@ -579,10 +714,19 @@ mod device {
                 },
             );
         }
-        // SAFETY: whole-vector rows (host-checked); gx aliases neither input.
+        // SAFETY: whole-vector rows (host-checked); gx aliases no input.
         let load = |row: u64| unsafe {
             let (ok, off) = (row < rows, (row * cols) as usize);
             (load_row::<T, V>(x.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok))
+        };
+        // With the fused add, the gradient flowing into h, added to gx.
+        // SAFETY: as above; dh has x's shape where ADD.
+        let load_dh = |row: u64| {
+            if ADD {
+                unsafe { load_row::<T, V>(dh.add((row * cols) as usize), nvec, &g, row < rows) }
+            } else {
+                [[0u32; 4]; V]
+            }
         };
         g.for_each_row_from(
             rows,
@@ -593,6 +737,7 @@ mod device {
                 let ok = row < rows;
                 let off = if ok { (row * cols) as usize } else { 0 };
                 let (rx, rg) = load(row);
+                let rd = load_dh(row);
                 let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
                 let mut sums = [0.0f32; 2];
                 for_slots::<V>(
@@ -634,6 +779,7 @@ mod device {
                                 #[inline(always)]
                                 |k| vg[k] = grad_x(vg[k], wv[k], vx[k], rs, kc),
                             );
+                            add_dh::<T, ADD>(&mut vg, rd[s]);
                             // SAFETY: inside row `row` of gx.
                             unsafe {
                                 st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg))
@@ -707,9 +853,10 @@ mod device {
     /// rounded up; `by * V >= rows`; with
     /// [`slices_smem_floats`] of dynamic shared memory; `x`, `gr`, `gx` hold `rows * cols`
     /// elements, `cols` a multiple of `T::VEC`, rows 16-byte aligned; `w`, `dw`, `db` hold
-    /// `cols` or are null; `mean` (null for RMS norm) and `rstd` hold `rows` floats.
+    /// `cols` or are null; `mean` (null for RMS norm) and `rstd` hold `rows` floats; with `ADD`,
+    /// `dh` holds `rows * cols` (added to `gx`, see the module).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_slices<T: Elem, N: Norm, const V: usize, const K: u32>(
+    pub unsafe fn bwd_slices<T: Elem, N: Norm, const V: usize, const K: u32, const ADD: bool>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -719,6 +866,7 @@ mod device {
         (dw, db): (*mut T, *mut T),
         rows: u64,
         cols: u64,
+        dh: *const T,
     ) {
         let vec = T::VEC as u64;
         let nvec = cols / vec;
@@ -826,6 +974,20 @@ mod device {
                 }
             }
         }
+        // With the fused add, dh: loaded here, where the column sums have left the registers, and
+        // in flight while the cluster meets.
+        let mut rd = [[0u32; 4]; V];
+        if ADD {
+            for_slots::<V>(
+                #[inline(always)]
+                |j| {
+                    if row_of(j) < rows && col_ok {
+                        // SAFETY: as x's loads above; dh has x's shape.
+                        rd[j] = unsafe { ld_global_nc_v4(dh.add((row_of(j) * cols + c) as usize) as *const u32) };
+                    }
+                },
+            );
+        }
         // Every block's row partials and column sums written and visible; every block started.
         cluster_sync();
         let (tid, threads) = ((ty * bx + tx) as u64, (bx * by) as u64);
@@ -882,7 +1044,8 @@ mod device {
                         #[inline(always)]
                         |k| vg[k] = grad_x(vg[k], wv[k], vx[k], rs, kc),
                     );
-                    // SAFETY: inside row row_of(j) of gx, which aliases neither input.
+                    add_dh::<T, ADD>(&mut vg, rd[j]);
+                    // SAFETY: inside row row_of(j) of gx, which aliases no input.
                     unsafe { st_global_v4(gx.add((row_of(j) * cols + c) as usize) as *mut u32, T::pack(&vg)) };
                 }
             },
@@ -891,7 +1054,7 @@ mod device {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn bwd_stream<T: Elem, N: Norm>(
+    pub unsafe fn bwd_stream<T: Elem, N: Norm, const ADD: bool>(
         x: *const T,
         w: *const T,
         gr: *const T,
@@ -900,6 +1063,7 @@ mod device {
         gx: *mut T,
         rows: u64,
         cols: u64,
+        dh: *const T,
     ) {
         let g = Group::this();
         let wv = T::VEC as u64;
@@ -910,8 +1074,9 @@ mod device {
             |row| {
                 let ok = row < rows;
                 let off = if ok { (row * cols) as usize } else { 0 };
-                // SAFETY: indices below are < cols within row `row`.
+                // SAFETY: indices below are < cols within row `row`; dh has x's shape where ADD.
                 let (xr, gr_, gxr) = unsafe { (x.add(off), gr.add(off), gx.add(off)) };
+                let dhr = if ADD { unsafe { dh.add(off) } } else { dh };
                 let sp = if ok { RowSplit::of(xr, cols) } else { RowSplit { head: 0, nvec: 0, cols: 0 } };
                 let (mu, rs) = unsafe { stats(ok, row, mean, rstd) };
                 let pvec = sp.head == 0;
@@ -955,20 +1120,28 @@ mod device {
                     wv,
                     &g,
                     (),
-                    load,
                     #[inline(always)]
-                    |(), c, (vx, mut vg, wp): ([f32; 8], [f32; 8], [f32; 8])| {
+                    |c: u64| {
+                        let d =
+                            if ADD { unsafe { ld_global_nc_v4(dhr.add(c as usize) as *const u32) } } else { [0; 4] };
+                        (load(c), d)
+                    },
+                    #[inline(always)]
+                    |(), c, ((vx, mut vg, wp), d): (([f32; 8], [f32; 8], [f32; 8]), [u32; 4])| {
                         for_lanes::<T>(
                             #[inline(always)]
                             |k| vg[k] = grad_x(vg[k], wp[k], vx[k], rs, kc),
                         );
+                        add_dh::<T, ADD>(&mut vg, d);
                         unsafe { st_global_v4(gxr.add(c as usize) as *mut u32, T::pack(&vg)) };
                     },
                     #[inline(always)]
                     |(), c| unsafe {
                         let c_ = c as usize;
                         let (gv, xv) = ((*gr_.add(c_)).to_f32(), (*xr.add(c_)).to_f32());
-                        *gxr.add(c_) = T::from_f32(grad_x(gv, param(w, c, 1.0), xv, rs, kc));
+                        let d = if ADD { (*dhr.add(c_)).to_f32() } else { 0.0 };
+                        let v = grad_x(gv, param(w, c, 1.0), xv, rs, kc);
+                        *gxr.add(c_) = T::from_f32(if ADD { v + d } else { v });
                     },
                 );
             },
@@ -1057,9 +1230,9 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
-// --- the kernels: `<layer_norm|rms_norm>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>`,
-// `<op>_bwd_c<C>_v<V>_<dtype>`, `<op>_bwd_slices_k<K>_v<V>_<dtype>`,
-// `<layer_norm|rms_norm>_colgrad_<dtype>`, `norm_colsum_<dtype>` ------------------------------
+// --- the kernels: `<op>_<fwd|bwd>_<v1|v2|v4|v8|stream>_<dtype>`, `<op>_bwd_c<C>_v<V>_<dtype>`,
+// `<op>_bwd_slices_k<K>_v<V>_<dtype>` for `<op>` of layer_norm, rms_norm and the fused
+// add_layer_norm, add_rms_norm; `<layer_norm|rms_norm>_colgrad_<dtype>`, `norm_colsum_<dtype>` --
 
 /// The norm family's kernels of one storage type `T`, typed (see [`RowKernels`]).
 pub struct NormKernels<T: 'static> {
@@ -1067,6 +1240,11 @@ pub struct NormKernels<T: 'static> {
     pub layer_norm: NormOp<T>,
     /// RMS norm's.
     pub rms_norm: NormOp<T>,
+    /// The fused residual add and layer norm's (`ADD`; its backward with `dh`). Its `colgrad` is
+    /// layer norm's: the column sums of `g * xh` and `g` do not see `dh`.
+    pub add_layer_norm: NormOp<T>,
+    /// The fused residual add and RMS norm's (`colgrad`: RMS norm's).
+    pub add_rms_norm: NormOp<T>,
     /// `norm_colsum_<dtype>`: the parameter gradients from the backward's partial rows.
     pub colsum: Kernel<NormColsumArgs<T>>,
 }
@@ -1092,9 +1270,14 @@ pub struct SlicesKernels<T: 'static> {
 }
 
 impl<T: 'static> NormKernels<T> {
-    /// Layer norm's kernels if `layer`, else RMS norm's.
-    pub const fn op(&self, layer: bool) -> &NormOp<T> {
-        if layer { &self.layer_norm } else { &self.rms_norm }
+    /// Layer norm's kernels if `layer`, else RMS norm's; the fused residual add's if `add`.
+    pub const fn op(&self, layer: bool, add: bool) -> &NormOp<T> {
+        match (layer, add) {
+            (true, false) => &self.layer_norm,
+            (false, false) => &self.rms_norm,
+            (true, true) => &self.add_layer_norm,
+            (false, true) => &self.add_rms_norm,
+        }
     }
 }
 
@@ -1113,11 +1296,19 @@ where
     NormColGradArgs<T>: Params,
     NormColsumArgs<T>: Params,
 {
-    /// Every kernel's name and arity.
+    /// Every kernel's name and arity (the fused ops' `colgrad`, the plain norms', once).
     pub fn entries(&self) -> impl Iterator<Item = KernelEntry> + '_ {
-        let ops = [&self.layer_norm, &self.rms_norm].into_iter().flat_map(|o| {
+        let ops = [
+            (&self.layer_norm, true),
+            (&self.rms_norm, true),
+            (&self.add_layer_norm, false),
+            (&self.add_rms_norm, false),
+        ]
+        .into_iter()
+        .flat_map(|(o, own_colgrad)| {
             let slices = o.slices.iter().flat_map(|s| s.kernels.iter().map(|(_, k)| k.entry()));
-            o.fwd.entries().chain(o.bwd.entries()).chain(slices).chain([o.colgrad.entry()])
+            let colgrad = own_colgrad.then(|| o.colgrad.entry());
+            o.fwd.entries().chain(o.bwd.entries()).chain(slices).chain(colgrad)
         });
         ops.chain([self.colsum.entry()])
     }
@@ -1136,21 +1327,35 @@ pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
 }
 
 /// Declares, per storage type, every instance of the family from one list: the kernels (on the
-/// device), their typed handles and the type's [`NormKernels`] table (on the host).
+/// device), their typed handles and the type's [`NormKernels`] table (on the host). The fused
+/// ops (`add_`) are the plain ones' kernel bodies with `ADD` set, over their own lists of
+/// forward and slices instances (the backward's others as the plain norms').
 macro_rules! norm_family {
     ($($T:ty, $sfx:ident, $table:ident:
         fwd [$($f:literal)*] bwd [$($b:literal)*] bwd_clusters [$($c:literal)*] of $cv:literal
-        slices [$($k:literal)*] of $s:tt;)*) => { $(
-        norm_family!(@op $T, $sfx, layer_norm, Layer, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
-        norm_family!(@op $T, $sfx, rms_norm, Rms, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
+        slices [$($k:literal)*] of $s:tt; add: fwd [$($af:literal)*] slices of $as:tt;)*) => { $(
+        norm_family!(@op $T, $sfx, layer_norm, Layer, false, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
+        norm_family!(@op $T, $sfx, rms_norm, Rms, false, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s);
+        norm_family!(@op $T, $sfx, add_layer_norm, Layer, true, [$($af)*], [$($b)*], [$($c)*], $cv, [$($k)*], $as);
+        norm_family!(@op $T, $sfx, add_rms_norm, Rms, true, [$($af)*], [$($b)*], [$($c)*], $cv, [$($k)*], $as);
         paste::paste! {
+            $crate::kernel!([<layer_norm_colgrad_ $sfx>]: NormColGradArgs<$T> =
+                |x, g, mean, rstd, partial, rows, cols|
+                colgrad::<$T, Layer>(x, g, mean, rstd, partial, rows, cols));
+            $crate::kernel!([<rms_norm_colgrad_ $sfx>]: NormColGradArgs<$T> =
+                |x, g, mean, rstd, partial, rows, cols|
+                colgrad::<$T, Rms>(x, g, mean, rstd, partial, rows, cols));
             $crate::kernel!([<norm_colsum_ $sfx>]: NormColsumArgs<$T> = |partial, dw, db, chunks, cols|
                 colsum::<$T>(partial, dw, db, chunks, cols));
             #[cfg(not(target_arch = "nvptx64"))]
             #[doc = concat!("The norm kernels of ", stringify!($sfx), ".")]
             pub const $table: NormKernels<$T> = NormKernels {
-                layer_norm: norm_family!(@table $sfx, layer_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
-                rms_norm: norm_family!(@table $sfx, rms_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
+                layer_norm: norm_family!(@table $sfx, layer_norm, layer_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
+                rms_norm: norm_family!(@table $sfx, rms_norm, rms_norm, [$($f)*], [$($b)*], [$($c)*], $cv, [$($k)*], $s),
+                add_layer_norm: norm_family!(@table $sfx, add_layer_norm, layer_norm, [$($af)*], [$($b)*], [$($c)*], $cv,
+                    [$($k)*], $as),
+                add_rms_norm: norm_family!(@table $sfx, add_rms_norm, rms_norm, [$($af)*], [$($b)*], [$($c)*], $cv,
+                    [$($k)*], $as),
                 colsum: [<norm_colsum_ $sfx>],
             };
         }
@@ -1159,41 +1364,38 @@ macro_rules! norm_family {
             const NORM: NormKernels<$T> = $table;
         }
     )* };
-    (@op $T:ty, $sfx:ident, $op:ident, $N:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*],
+    (@op $T:ty, $sfx:ident, $op:ident, $N:ident, $add:literal, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*],
         $cv:literal, [$($k:literal)*], $s:tt) => {
         paste::paste! {
             $( $crate::kernel!([<$op _fwd_v $f _ $sfx>]: NormFwdArgs<$T> =
-                |x, w, b, y, mean, rstd, rows, cols, eps|
-                fwd_reg::<$T, $N, $f>(x, w, b, y, mean, rstd, rows, cols, eps)); )*
+                |x, w, b, y, mean, rstd, rows, cols, eps, res, h|
+                fwd_reg::<$T, $N, $f, $add>(x, w, b, y, mean, rstd, rows, cols, eps, (res, h))); )*
             $( $crate::kernel!([<$op _bwd_v $b _ $sfx>]: NormBwdArgs<$T> =
-                |x, w, g, mean, rstd, gx, partial, rows, cols|
-                bwd_reg::<$T, $N, $b, 1>(x, w, g, mean, rstd, gx, partial, rows, cols)); )*
+                |x, w, g, mean, rstd, gx, partial, rows, cols, dh|
+                bwd_reg::<$T, $N, $b, 1, $add>(x, w, g, mean, rstd, gx, partial, rows, cols, dh)); )*
             $crate::kernel!([<$op _fwd_stream_ $sfx>]: NormFwdArgs<$T> =
-                |x, w, b, y, mean, rstd, rows, cols, eps|
-                fwd_stream::<$T, $N>(x, w, b, y, mean, rstd, rows, cols, eps));
+                |x, w, b, y, mean, rstd, rows, cols, eps, res, h|
+                fwd_stream::<$T, $N, $add>(x, w, b, y, mean, rstd, rows, cols, eps, (res, h)));
             $crate::kernel!([<$op _bwd_stream_ $sfx>]: NormBwdArgs<$T> =
-                |x, w, g, mean, rstd, gx, _partial, rows, cols|
-                bwd_stream::<$T, $N>(x, w, g, mean, rstd, gx, rows, cols));
-            $crate::kernel!([<$op _colgrad_ $sfx>]: NormColGradArgs<$T> =
-                |x, g, mean, rstd, partial, rows, cols|
-                colgrad::<$T, $N>(x, g, mean, rstd, partial, rows, cols));
+                |x, w, g, mean, rstd, gx, _partial, rows, cols, dh|
+                bwd_stream::<$T, $N, $add>(x, w, g, mean, rstd, gx, rows, cols, dh));
             // Clusters of C blocks, V vectors a thread (sm_90 only; the host lists them for
             // every target and launches them where the device's module has them).
             $( #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
             $crate::kernel!([<$op _bwd_c $c _v $cv _ $sfx>]: NormBwdArgs<$T> =
-                |x, w, g, mean, rstd, gx, partial, rows, cols|
-                bwd_reg::<$T, $N, $cv, $c>(x, w, g, mean, rstd, gx, partial, rows, cols)); )*
+                |x, w, g, mean, rstd, gx, partial, rows, cols, dh|
+                bwd_reg::<$T, $N, $cv, $c, $add>(x, w, g, mean, rstd, gx, partial, rows, cols, dh)); )*
         }
-        $( norm_family!(@slices $T, $sfx, $op, $N, $k, $s); )*
+        $( norm_family!(@slices $T, $sfx, $op, $N, $add, $k, $s); )*
     };
     // Few rows in column slices, the grid one cluster of K blocks (sm_90 only, as the clusters).
-    (@slices $T:ty, $sfx:ident, $op:ident, $N:ident, $k:literal, [$($v:literal)*]) => { $( paste::paste! {
+    (@slices $T:ty, $sfx:ident, $op:ident, $N:ident, $add:literal, $k:literal, [$($v:literal)*]) => { $( paste::paste! {
         #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
         $crate::kernel!([<$op _bwd_slices_k $k _v $v _ $sfx>]: NormBwdOneArgs<$T> =
-            |x, w, g, mean, rstd, gx, dw, db, rows, cols|
-            bwd_slices::<$T, $N, $v, $k>(x, w, g, mean, rstd, gx, (dw, db), rows, cols));
+            |x, w, g, mean, rstd, gx, dw, db, rows, cols, dh|
+            bwd_slices::<$T, $N, $v, $k, $add>(x, w, g, mean, rstd, gx, (dw, db), rows, cols, dh));
     } )* };
-    (@table $sfx:ident, $op:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*], $cv:literal,
+    (@table $sfx:ident, $op:ident, $colgrad:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*], $cv:literal,
         [$($k:literal)*], $s:tt) => {
         paste::paste! {
             NormOp {
@@ -1207,7 +1409,7 @@ macro_rules! norm_family {
                     (RowVariant::Stream, [<$op _bwd_stream_ $sfx>]),
                 ]),
                 slices: &[ $( norm_family!(@slices_table $sfx, $op, $k, $s), )* ],
-                colgrad: [<$op _colgrad_ $sfx>],
+                colgrad: [<$colgrad _colgrad_ $sfx>],
             }
         }
     };
@@ -1239,11 +1441,21 @@ macro_rules! norm_family {
 // Launches of few rows with parameter gradients in column slices (`bwd_slices`): one cluster of
 // eight or sixteen blocks of up to 512 threads, each thread one vector of its slice in up to
 // eight rows (four of f16/bf16: eight spill 12 bytes at 128 registers).
+//
+// The fused add: the backward's instances as the plain norms', except the slices' eight rows a
+// thread of f32 (spills at 128 registers with dh) and one row a thread of f32 (ptxas 12.9 and
+// 13.0 gave the sixteen-block RMS norm kernel 40 registers and a stack frame; for few rows, two
+// a thread serve as well). The forward holds x and the residual at once, twice the registers of
+// the row, so not eight vectors a thread (64 registers at 1024 threads): f32 rows up to 16384 and
+// f16/bf16 up to 32768 stay in registers at four.
 norm_family! {
     f32, f32, NORM_F32:
         fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4 8];
+        add: fwd [1 2 4] slices of [2 4];
     crate::dtype::F16, f16, NORM_F16:
         fwd [1 2 4 8] bwd [1 2] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4];
+        add: fwd [1 2 4] slices of [1 2 4];
     crate::dtype::BF16, bf16, NORM_BF16:
         fwd [1 2 4 8] bwd [1 2] bwd_clusters [4 8] of 2 slices [8 16] of [1 2 4];
+        add: fwd [1 2 4] slices of [1 2 4];
 }

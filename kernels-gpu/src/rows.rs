@@ -426,6 +426,43 @@ mod device {
     /// `row` must be 16-byte aligned and hold `nvec` whole vectors not written by this launch.
     #[inline(always)]
     pub unsafe fn load_row<T: Elem, const V: usize>(row: *const T, nvec: u64, g: &Group, ok: bool) -> [[u32; 4]; V] {
+        // SAFETY: called on the row's vectors only, whose contract is this function's.
+        let ld = |p| unsafe { ld_global_nc_v4(p) };
+        // SAFETY: the contract.
+        unsafe { load_row_with::<T, V>(row, nvec, g, ok, ld) }
+    }
+
+    /// [`load_row`] with coherent loads, for a row that the launch also writes: a fused op's
+    /// output written in place over this input, each element by the thread that read it.
+    ///
+    /// # Safety
+    /// `row` must be 16-byte aligned and hold `nvec` whole vectors; any write to them by this
+    /// launch comes after this load, from the same thread.
+    #[inline(always)]
+    pub unsafe fn load_row_coherent<T: Elem, const V: usize>(
+        row: *const T,
+        nvec: u64,
+        g: &Group,
+        ok: bool,
+    ) -> [[u32; 4]; V] {
+        // SAFETY: called on the row's vectors only, whose contract is this function's.
+        let ld = |p| unsafe { ld_global_v4(p) };
+        // SAFETY: the contract.
+        unsafe { load_row_with::<T, V>(row, nvec, g, ok, ld) }
+    }
+
+    /// [`load_row`]'s slots, each loaded by `ld`.
+    ///
+    /// # Safety
+    /// `row` must be 16-byte aligned and hold `nvec` whole vectors that `ld` may read.
+    #[inline(always)]
+    unsafe fn load_row_with<T: Elem, const V: usize>(
+        row: *const T,
+        nvec: u64,
+        g: &Group,
+        ok: bool,
+        ld: impl Fn(*const u32) -> [u32; 4],
+    ) -> [[u32; 4]; V] {
         let mut raw = [[0u32; 4]; V];
         for_slots::<V>(
             #[inline(always)]
@@ -433,7 +470,7 @@ mod device {
                 let j = g.t as u64 + (s as u64) * g.size as u64;
                 if ok && j < nvec {
                     // SAFETY: j < nvec, per the contract.
-                    raw[s] = unsafe { ld_global_nc_v4(row.add((j * T::VEC as u64) as usize) as *const u32) };
+                    raw[s] = ld(unsafe { row.add((j * T::VEC as u64) as usize) } as *const u32);
                 }
             },
         );

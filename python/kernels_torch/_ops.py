@@ -824,6 +824,245 @@ def rms_norm(
     return _call("rms_norm", x, list(normalized_shape), weight, eps)[0]
 
 
+# --- residual add fused with layer norm, RMS norm -----------------------------------------------
+#
+# ``h = x + residual`` (rounded to the dtype, as PyTorch's ``x + residual``) and ``y = norm(h)`` in
+# one kernel; the ops return ``(y, h, *statistics)`` and the functions ``(y, h)``. The backward
+# takes the gradients of both outputs: that of x and of the residual is ``dh + norm'(dy)`` (one
+# tensor, returned for both), the parameters' are the norm's.
+
+
+def _add_norm_inputs(op: str, x: Tensor, residual: Tensor, normalized_shape: Sequence[int]):
+    x = _check(op, "x", x)
+    residual = _check(op, "residual", residual, like=x)
+    if residual.shape != x.shape:
+        raise ValueError(f"{NS}::{op}: residual has shape {list(residual.shape)}, x {list(x.shape)}")
+    rows, cols, lead = _norm_shape(op, x, normalized_shape)
+    return x, residual, rows, cols, lead
+
+
+@_custom_op("add_layer_norm")
+def add_layer_norm_op(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: list[int],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    op = "add_layer_norm"
+    x, residual, rows, cols, lead = _add_norm_inputs(op, x, residual, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    bias = _check_param(op, "bias", bias, x, normalized_shape)
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    mean, rstd = _new(lead, x, torch.float32), _new(lead, x, torch.float32)
+    if x.numel() == 0:
+        return y, h, mean, rstd
+    dev, stream, dt = _where(x)
+    _native.add_norm_fwd(
+        dev, stream, dt, x.data_ptr(), residual.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), h.data_ptr(),
+        mean.data_ptr(), rstd.data_ptr(), rows, cols, float(eps),
+    )  # fmt: skip
+    return y, h, mean, rstd
+
+
+@add_layer_norm_op.register_fake
+def _(x, residual, normalized_shape, weight, bias, eps):
+    lead = list(x.shape[: x.dim() - len(normalized_shape)])
+    stat = lambda: x.new_empty(lead, dtype=torch.float32)  # noqa: E731
+    return x.new_empty(x.shape), x.new_empty(x.shape), stat(), stat()
+
+
+@_custom_op("add_rms_norm")
+def add_rms_norm_op(
+    x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    op = "add_rms_norm"
+    x, residual, rows, cols, lead = _add_norm_inputs(op, x, residual, normalized_shape)
+    weight = _check_param(op, "weight", weight, x, normalized_shape)
+    y, h = torch.empty_like(x), torch.empty_like(x)
+    rstd = _new(lead, x, torch.float32)
+    if x.numel() == 0:
+        return y, h, rstd
+    dev, stream, dt = _where(x)
+    _native.add_norm_fwd(
+        dev, stream, dt, x.data_ptr(), residual.data_ptr(), _ptr(weight), 0, y.data_ptr(), h.data_ptr(), 0,
+        rstd.data_ptr(), rows, cols, float(eps),
+    )  # fmt: skip
+    return y, h, rstd
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, normalized_shape, weight, eps):
+    lead = list(x.shape[: x.dim() - len(normalized_shape)])
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(lead, dtype=torch.float32)
+
+
+def _add_norm_backward(
+    op: str,
+    h: Tensor,
+    normalized_shape: list[int],
+    weight: Optional[Tensor],
+    mean: Optional[Tensor],
+    rstd: Tensor,
+    grad: Tensor,
+    grad_h: Optional[Tensor],
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of x (and of the residual), weight and bias; a gradient not asked for is an
+    empty tensor."""
+    h = _check(op, "h", h)
+    rows, cols, lead = _norm_shape(op, h, normalized_shape)
+    weight = _check_param(op, "weight", weight, h, normalized_shape)
+    mean = None if mean is None else _check(op, "mean", mean, like=h, dtype=torch.float32)
+    rstd = _check(op, "rstd", rstd, like=h, dtype=torch.float32)
+    grad = _check(op, "grad", grad, like=h)
+    grad_h = None if grad_h is None else _check(op, "grad_h", grad_h, like=h)
+    if (
+        grad.shape != h.shape
+        or (grad_h is not None and grad_h.shape != h.shape)
+        or list(rstd.shape) != lead
+        or (mean is not None and list(mean.shape) != lead)
+    ):
+        raise ValueError(f"{NS}::{op}: grad and grad_h must have h's shape and the statistics {lead}")
+    if weight_grad and weight is None:
+        raise ValueError(f"{NS}::{op}: a weight gradient needs the weight")
+    z = lambda want: h.new_zeros(normalized_shape if want else [0])  # noqa: E731
+    if h.numel() == 0:
+        return torch.empty_like(h), z(weight_grad), z(bias_grad)
+    gx = torch.empty_like(h)
+    gw = _new(normalized_shape if weight_grad else [0], h)
+    gb = _new(normalized_shape if bias_grad else [0], h)
+    dev, stream, dt = _where(h)
+    _native.add_norm_bwd(
+        dev, stream, dt, h.data_ptr(), _ptr(weight), _ptr(mean), rstd.data_ptr(), grad.data_ptr(), _ptr(grad_h),
+        gx.data_ptr(), gw.data_ptr() if weight_grad else 0, gb.data_ptr() if bias_grad else 0, rows, cols,
+    )  # fmt: skip
+    return gx, gw, gb
+
+
+@_custom_op("add_layer_norm_backward")
+def add_layer_norm_backward_op(
+    h: Tensor,
+    normalized_shape: list[int],
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    grad: Tensor,
+    grad_h: Optional[Tensor],
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of x (and of the residual), weight and bias; a gradient not asked for is an
+    empty tensor."""
+    op = "add_layer_norm_backward"
+    return _add_norm_backward(op, h, normalized_shape, weight, mean, rstd, grad, grad_h, weight_grad, bias_grad)
+
+
+@add_layer_norm_backward_op.register_fake
+def _(h, normalized_shape, weight, mean, rstd, grad, grad_h, weight_grad, bias_grad):
+    ns = list(normalized_shape)
+    return h.new_empty(h.shape), h.new_empty(ns if weight_grad else [0]), h.new_empty(ns if bias_grad else [0])
+
+
+@_custom_op("add_rms_norm_backward")
+def add_rms_norm_backward_op(
+    h: Tensor,
+    normalized_shape: list[int],
+    weight: Optional[Tensor],
+    rstd: Tensor,
+    grad: Tensor,
+    grad_h: Optional[Tensor],
+    weight_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of x (and of the residual) and weight; the weight's is an empty tensor if not
+    asked for."""
+    op = "add_rms_norm_backward"
+    gx, gw, _ = _add_norm_backward(op, h, normalized_shape, weight, None, rstd, grad, grad_h, weight_grad, False)
+    return gx, gw
+
+
+@add_rms_norm_backward_op.register_fake
+def _(h, normalized_shape, weight, rstd, grad, grad_h, weight_grad):
+    return h.new_empty(h.shape), h.new_empty(list(normalized_shape) if weight_grad else [0])
+
+
+def _add_ln_setup(ctx, inputs, output):
+    x, residual, ns, weight, bias, eps = inputs
+    y, h, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.ns = ns
+    ctx.want = (weight is not None and weight.requires_grad, bias is not None and bias.requires_grad)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _add_ln_backward(ctx, grad, grad_h, _gmean, _grstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    wg, bg = ctx.want
+    if grad is None:  # only h was used: the norm passes nothing back
+        grad = torch.zeros_like(h)
+    gx, gw, gb = _bwd(ctx, "add_layer_norm_backward")(h, ctx.ns, weight, mean, rstd, grad, grad_h, wg, bg)
+    return gx, gx, None, (gw if wg else None), (gb if bg else None), None
+
+
+_autograd(add_layer_norm_op, "add_layer_norm", _add_ln_backward, _add_ln_setup)
+
+
+def _add_rms_setup(ctx, inputs, output):
+    x, residual, ns, weight, eps = inputs
+    y, h, rstd = output
+    ctx.save_for_backward(h, weight, rstd)
+    ctx.ns = ns
+    ctx.wg = weight is not None and weight.requires_grad
+    ctx.mark_non_differentiable(rstd)
+
+
+def _add_rms_backward(ctx, grad, grad_h, _grstd):
+    h, weight, rstd = ctx.saved_tensors
+    if grad is None:
+        grad = torch.zeros_like(h)
+    gx, gw = _bwd(ctx, "add_rms_norm_backward")(h, ctx.ns, weight, rstd, grad, grad_h, ctx.wg)
+    return gx, gx, None, (gw if ctx.wg else None), None
+
+
+_autograd(add_rms_norm_op, "add_rms_norm", _add_rms_backward, _add_rms_setup)
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+) -> tuple[Tensor, Tensor]:
+    """``h = x + residual; y = F.layer_norm(h, normalized_shape, weight, bias, eps)`` in one kernel
+    each way; returns ``(y, h)``, ``h`` (the next residual) as PyTorch's ``x + residual`` rounds
+    it. The gradient of x and of the residual is one tensor, returned for both."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    y, h, _, _ = _call("add_layer_norm", x, residual, list(normalized_shape), weight, bias, eps)
+    return y, h
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """``h = x + residual; y = F.rms_norm(h, normalized_shape, weight, eps)`` in one kernel each
+    way; returns ``(y, h)``. ``eps=None`` is PyTorch's default, ``torch.finfo(x.dtype).eps``."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    y, h, _ = _call("add_rms_norm", x, residual, list(normalized_shape), weight, eps)
+    return y, h
+
+
 # --- cross-entropy ------------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ implementation otherwise (CPU tensors, float64, and the cases listed per module)
 Most are subclasses of the PyTorch module they replace (same constructor, parameters and
 ``state_dict``), so a model switches with a changed import. ``FusedBiasAct`` is new:
 ``act(x * scale + bias)`` in one kernel; so is ``RotaryEmbedding`` (PyTorch has no such module).
+``AddLayerNorm`` and ``AddRMSNorm`` are ``LayerNorm`` and ``RMSNorm`` (same parameters and
+``state_dict``) whose ``forward(x, residual)`` adds the residual first and returns ``(y, h)``.
 """
 
 from typing import Optional
@@ -17,6 +19,8 @@ from ._ops import _DTYPE_CODES
 
 __all__ = [
     "AdaptiveAvgPool2d",
+    "AddLayerNorm",
+    "AddRMSNorm",
     "AvgPool2d",
     "BatchNorm2d",
     "Conv2d",
@@ -214,6 +218,32 @@ if hasattr(torch.nn, "RMSNorm"):  # PyTorch 2.4+
             if _ours(x, self.weight):
                 return _ops.rms_norm(x, self.normalized_shape, self.weight, self.eps)
             return super().forward(x)
+
+
+class AddLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` of ``h = x + residual``: ``forward(x, residual)`` returns ``(y, h)``,
+    ``h`` the next residual, in one kernel each way (``kernels_torch.add_layer_norm``); PyTorch's
+    composition when the tensors' dtypes or devices differ."""
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        if _ours(x, residual, self.weight, self.bias):
+            return _ops.add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias, self.eps)
+        h = x + residual
+        return super().forward(h), h
+
+
+if hasattr(torch.nn, "RMSNorm"):  # PyTorch 2.4+
+
+    class AddRMSNorm(torch.nn.RMSNorm):
+        """``torch.nn.RMSNorm`` of ``h = x + residual``: ``forward(x, residual)`` returns ``(y, h)``
+        in one kernel each way (``kernels_torch.add_rms_norm``); PyTorch's composition when the
+        tensors' dtypes or devices differ."""
+
+        def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+            if _ours(x, residual, self.weight):
+                return _ops.add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps)
+            h = x + residual
+            return super().forward(h), h
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):

@@ -613,6 +613,109 @@ fn norm_bwd(
     })
 }
 
+/// The residual add fused with layer norm (RMS norm if `mean` is 0): `h = x + residual` into `h`
+/// and its norm into `y` (all `[rows, cols]`), with optional `weight`, `bias` (0: none; RMS norm
+/// has no bias) and the f32 statistics `mean`, `rstd` (`[rows]`). `h` must be neither `x` nor
+/// `residual` (the Python layer allocates it).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn add_norm_fwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    bias: u64,
+    y: u64,
+    h: u64,
+    mean: u64,
+    rstd: u64,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    if h == x || h == residual {
+        return Err(PyValueError::new_err("add_norm: h must not be x or the residual"));
+    }
+    // SAFETY: see `unary_fwd_with`; mean and rstd are f32 tensors of `rows`.
+    let (x, r, w, b, mut out) = unsafe {
+        (
+            c.t(x, &s)?,
+            c.t(residual, &s)?,
+            c.opt(weight, &[cols])?,
+            c.opt(bias, &[cols])?,
+            ops::AddNorm {
+                y: c.t(y, &s)?,
+                h: c.t(h, &s)?,
+                stats: NormStats {
+                    mean: if mean == 0 { None } else { Some(c.f32(mean, &[rows])?) },
+                    rstd: c.f32(rstd, &[rows])?,
+                },
+            },
+        )
+    };
+    let layer = out.stats.mean.is_some();
+    if !layer && b.is_some() {
+        return Err(PyValueError::new_err("add_rms_norm: RMS norm has no bias"));
+    }
+    c.run(py, || {
+        if layer {
+            ops::add_layer_norm_out(&x, &r, w.as_ref(), b.as_ref(), eps, &mut out)
+        } else {
+            ops::add_rms_norm_out(&x, &r, w.as_ref(), eps, &mut out)
+        }
+    })
+}
+
+/// Backward of `add_norm_fwd` from its `h` and statistics, the gradient `g` of `y` and `dh` of `h`
+/// (0: none): the gradient of x and of the residual (one tensor) into `gx`, of the weight and bias
+/// into `gw`, `gb` where given (not 0).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn add_norm_bwd(
+    py: Python<'_>,
+    device: usize,
+    stream: usize,
+    dtype: u8,
+    h: u64,
+    weight: u64,
+    mean: u64,
+    rstd: u64,
+    g: u64,
+    dh: u64,
+    gx: u64,
+    gw: u64,
+    gb: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<()> {
+    let c = Call::new(device, stream, dtype)?;
+    let s = [rows, cols];
+    // SAFETY: see `norm_fwd`.
+    let (h, w, stats, g, dh, mut grads) = unsafe {
+        (
+            c.t(h, &s)?,
+            c.opt(weight, &[cols])?,
+            NormStats { mean: if mean == 0 { None } else { Some(c.f32(mean, &[rows])?) }, rstd: c.f32(rstd, &[rows])? },
+            c.t(g, &s)?,
+            c.opt(dh, &s)?,
+            NormGrads { x: c.t(gx, &s)?, weight: c.opt(gw, &[cols])?, bias: c.opt(gb, &[cols])? },
+        )
+    };
+    let layer = stats.mean.is_some();
+    c.run(py, || {
+        if layer {
+            ops::add_layer_norm_backward_out(&h, w.as_ref(), &stats, &g, dh.as_ref(), &mut grads)
+        } else {
+            ops::add_rms_norm_backward_out(&h, w.as_ref(), &stats, &g, dh.as_ref(), &mut grads)
+        }
+    })
+}
+
 fn reduction(code: u8) -> PyResult<Reduction> {
     match code {
         0 => Ok(Reduction::None),
@@ -1500,6 +1603,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(softmax_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(norm_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(norm_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(add_norm_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(add_norm_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(cross_entropy_one_pass_fwd, m)?)?;
