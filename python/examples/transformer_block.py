@@ -13,8 +13,8 @@ second and peak memory of each.
 The model, one definition for both (``Ops`` is the switch): a token embedding, ``--layers``
 blocks ``x += attn(rms_norm(x)); x += mlp(rms_norm(x))``, a final RMSNorm, an LM head (not tied)
 and the cross-entropy. Attention: one fused QKV projection (no biases anywhere), RoPE on the
-queries and keys (the first half of each head's pairs with the second, LLaMA's), causal
-attention, an output projection. MLP: one up projection to ``[.., 2F]``, SwiGLU ``silu(a) * b``
+queries and keys (element ``i`` of a head paired with ``i + D / 2``, LLaMA's), causal attention,
+an output projection. MLP: one up projection to ``[.., 2F]``, SwiGLU ``silu(a) * b``
 of its halves, a down projection. Ours: ``kernels_torch.embedding``, ``rms_norm`` (the first
 norm), ``add_rms_norm`` (every residual add with the norm after it, the final norm included),
 ``linear``, ``rope``, ``scaled_dot_product_attention``, ``swiglu`` and ``cross_entropy`` on the bf16
@@ -34,8 +34,8 @@ The corpus: sequences of a fixed random Markov chain of order two over ``--vocab
 token has ``K = --branch`` distinct successors ``succ[t][0..K)``; the token after ``x[t]`` is
 ``succ[x[t]][j]``, in the slot ``j = cls[x[t-1]]`` given by a fixed random class of the token
 before with probability ``--follow``, else in a uniform slot. Printed, in nats: the unigram
-entropy (near ``ln(vocab)``) and the bigram one ``H(next | current)`` (near ``ln K``; below the
-former by what the MLP can learn from the current token alone), both measured on the training
+entropy (near ``ln(vocab)``) and the bigram one ``H(next | current)`` (at most ``ln K``: what
+the current token alone tells, which the MLP can learn), both measured on the training
 targets, and the chain's entropy rate (the floor, exact): the entropy of ``(f, q, ..., q)``, ``q =
 (1 - follow) / K``, ``f = follow + q``. Going below the bigram entropy takes the attention (the
 class of the previous token).
@@ -76,8 +76,9 @@ import time
 try:
     import torch
     import torch.nn.functional as F
-except ImportError as e:  # pragma: no cover - the message is the point
-    sys.exit(f"transformer_block: needs PyTorch ({e})")
+except ImportError as e:
+    print(f"transformer_block: needs PyTorch ({e})", file=sys.stderr)
+    sys.exit(2)
 
 EPS = 1e-6  # the norms' epsilon (bf16's own, PyTorch's default, would swamp the small initial rows)
 TAIL = 50  # the steps whose mean loss is compared
@@ -88,8 +89,6 @@ TAIL = 50  # the steps whose mean loss is compared
 
 class TorchOps:
     """The model's ops in pure PyTorch."""
-
-    name = "PyTorch"
 
     @staticmethod
     def embedding(idx, weight):
@@ -132,8 +131,6 @@ class TorchOps:
 
 class KernelOps:
     """The model's ops from ``kernels_torch``."""
-
-    name = "ours"
 
     def __init__(self, kt):
         self.kt = kt
@@ -241,14 +238,14 @@ def initial_state(cfg, seed):
     """GPT-2's initialization in f32 on the CPU, from ``seed``."""
     m = Model(cfg, None)
     g = torch.Generator().manual_seed(seed)
-    std_res = 0.02 / math.sqrt(2 * cfg["layers"])
+    std_res = 0.02 / math.sqrt(2 * max(1, cfg["layers"]))
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("norm"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std_res if name.endswith(("proj", "down")) else 0.02, generator=g)
-    return {k: v.clone() for k, v in m.state_dict().items()}
+    return dict(m.state_dict())
 
 
 # --- the corpus ----------------------------------------------------------------------------------
@@ -447,7 +444,7 @@ def bf16_ulp(x):
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0**-133
 
 
-def compare(runs, ent, cfg, bf16):
+def compare(runs, ent, bf16):
     """The comparison of the curves and the pass criteria (see the module's doc)."""
     a, o, b = (runs[k]["losses"] for k in ("torch", "ours", "torch_seed1"))
     tail = min(TAIL, len(a))
@@ -594,6 +591,8 @@ def refuse(msg):
 def main(argv=None):
     started = time.perf_counter()
     args = parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.seq < 1 or args.layers < 0 or not 1 <= args.branch <= args.vocab:
+        return refuse("--steps, --batch and --seq must be positive, --layers not negative, --branch in [1, vocab]")
     if args.width % args.heads or (args.width // args.heads) % 2:
         return refuse(f"--width {args.width} must split into --heads {args.heads} heads of an even size")
     kt = None
@@ -611,6 +610,9 @@ def main(argv=None):
         if not ok:
             return refuse(f"kernels_torch cannot run here: {why}")
         device, dtype = torch.device("cuda"), torch.bfloat16
+        d = args.width // args.heads
+        if d % 8 or not 8 <= d <= 256:
+            return refuse(f"the attention kernels take head dims that are multiples of 8 up to 256, not {d}")
     # bf16 parameters with f32 masters rather than autocast: every op then sees one dtype, so the
     # residual add and the norm after it fuse (autocast's f32 residual stream meets bf16 branches).
     cfg = dict(
@@ -664,7 +666,7 @@ def main(argv=None):
     if args.compile:
         runs["torch_compile"] = train(cfg, TorchOps, state0, data, args, "PyTorch compile", dtype, compile=True)
 
-    stats, checks = compare(runs, ent, cfg, dtype == torch.bfloat16)
+    stats, checks = compare(runs, ent, dtype == torch.bfloat16)
     print_report(runs, stats, checks, ent, args.steps)
     passed = all(c["ok"] for c in checks)
     print(f"total time {time.perf_counter() - started:.1f} s")
