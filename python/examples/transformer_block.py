@@ -655,6 +655,9 @@ def main(argv=None):
         wrong = {k: (calls.get(k, 0), v) for k, v in want.items() if calls.get(k, 0) != v}
         if wrong:
             print(f"transformer_block: FAILED: an op did not run the kernels as expected (got, want): {wrong}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(device=dev_name, native_calls=calls, expected_calls=want, passed=False), f, indent=1)
             return 1
         ours = KernelOps(kt)
     else:
