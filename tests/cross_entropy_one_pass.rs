@@ -92,8 +92,11 @@ fn reference(c: &Case) -> Want {
             let p = (x - lse).exp();
             let h = if j as i64 == t { 1.0 - eps } else { 0.0 };
             w.grad[r * cols + j] = gn * (p * pz - eps / cols as f64 - h);
+            // A class of probability exactly 0 (an -inf logit) adds no error: p * |x| would be
+            // 0 * inf.
+            let px = if p == 0.0 { 0.0 } else { p * (2.0 + lse.abs() + x.abs()) };
             w.gtol[r * cols + j] = gn.abs()
-                * (p * pz.abs() * k * (2.0 + lse.abs() + x.abs())
+                * (px * pz.abs() * k
                     + p * 2.0 * z.abs() * k * (1.0 + lse.abs())
                     + 4.0 * E * (1.0 + p * pz.abs()));
         }

@@ -115,7 +115,8 @@ mod device {
     }
 
     /// Stores a consumer thread's accumulators (as [`store_tile`]) where the epilogue is
-    /// `act(alpha * acc + bias_col[col])` ([`is_simple`]) into a 16-bit D with 16-byte aligned
+    /// `act(alpha * acc + bias_col[col]) (+ residual)` ([`is_simple`]; the residual read as pairs
+    /// where the thread holds them, before the exchange) into a 16-bit D with 16-byte aligned
     /// rows and the tile lies inside D's columns, in straight-line code (the linear layer's
     /// bias and activation without the general path's rolled loop). The four threads of a quad
     /// exchange their pairs (a 4 x 4 transpose of 32-bit words by shuffles) so that each stores 8
@@ -164,7 +165,17 @@ mod device {
                 let mut w = [0u32; 4];
                 unroll!(J: usize; 0 1 2 3 => {
                     let i = 4 * (4 * G + J) + 2 * H;
-                    w[J] = pack(value(acc[i], bias[2 * J]), value(acc[i + 1], bias[2 * J + 1]));
+                    let (lo, hi) = (value(acc[i], bias[2 * J]), value(acc[i + 1], bias[2 * J + 1]));
+                    w[J] = if !e.residual.is_null() && r < e.m {
+                        let c = col_tile + 8 * (4 * G as u32 + J as u32) + 2 * t;
+                        let idx = b as u64 * e.stride_d + r as u64 * e.ldd + c as u64;
+                        // SAFETY: the row is inside D and the pair inside its columns; the
+                        // residual has D's layout, its pairs aligned (QUAD implies PAIR).
+                        let res = unsafe { O::load2(e.residual.add(idx as usize * O::DTYPE.size())) };
+                        pack(lo + res[0], hi + res[1])
+                    } else {
+                        pack(lo, hi)
+                    };
                 });
                 // Transpose within the quad: afterwards w[j] is thread j's pair of columns
                 // 8 (4 G + t) + 2 j.
@@ -231,10 +242,10 @@ mod device {
         });
     }
 
-    /// Whether [`store_tile_quad`] computes the epilogue: no C, row bias or residual.
+    /// Whether [`store_tile_quad`] computes the epilogue: no C or row bias.
     #[inline(always)]
     fn is_simple(e: &Epilogue) -> bool {
-        e.beta == 0.0 && e.bias_row.is_null() && e.residual.is_null()
+        e.beta == 0.0 && e.bias_row.is_null()
     }
 
     /// The kernel. `A_MN`/`B_MN` (0 or 1): A is M-major (`trans_a`), B is N-major (`!trans_b`).
