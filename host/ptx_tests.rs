@@ -41,11 +41,13 @@ fn sm90_only(name: &str) -> bool {
     cluster_of(name).is_some()
 }
 
-/// Kernels that only the sm_90a module has: the `wgmma` GEMMs and attention kernels.
+/// Kernels that only the sm_90a module has: the `wgmma` GEMMs and attention kernels, and the
+/// writer of their tensor maps.
 fn sm90a_only(name: &str) -> bool {
     name.starts_with("gemm_wgmma_")
         || name.starts_with("attention_fwd_wgmma_")
         || name.starts_with("attention_bwd_wgmma_")
+        || name == "store_tensor_maps"
 }
 
 /// Blocks per cluster and `.maxntid` of a cluster kernel, from its name: `_c<C>_` (a row split

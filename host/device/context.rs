@@ -115,6 +115,19 @@ impl Device {
         unsafe { result::stream::synchronize(self.stream()) }.map_err(|e| self.kernel_fault(e))
     }
 
+    /// Whether this thread's stream on the device (inside [`Device::with_stream`]: that stream)
+    /// is capturing a CUDA graph (`cuStreamIsCapturing`; a capture already invalidated by an
+    /// error counts): its work is then recorded for the graph's replays, not run, so nothing may
+    /// wait for it, and the ops that would read a flag back (the cross-entropy's target check)
+    /// skip the check.
+    pub fn is_capturing(&self) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the stream belongs to this device's context, bound above (a foreign one by the
+        // contract of `with_stream`).
+        let status = unsafe { result::stream::is_capturing(self.stream()) }.map_err(|e| driver("is_capturing", e))?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// The foreign stream of [`Device::with_stream`], if this thread is inside it for this device.
     pub(super) fn foreign_stream(&self) -> Option<sys::CUstream> {
         match STREAM_OVERRIDE.with(Cell::get) {
@@ -141,6 +154,12 @@ impl Device {
     /// `stream` when the tensor drops, which the driver orders after the work on that stream
     /// (the memory comes from the device's default pool, which keeps it for reuse: no
     /// allocation reaches the OS on the hot path).
+    ///
+    /// `stream` may be capturing a CUDA graph (PyTorch's `torch.cuda.graph`): the ops then issue
+    /// only what a graph records (launches, memsets, device copies, and those allocations and
+    /// frees, which become the graph's own memory nodes) and wait for nothing; see
+    /// [`Device::is_capturing`]. Call each op once outside the capture first (its kernels load
+    /// on first use).
     ///
     /// # Safety
     /// - `stream` is a valid stream of this device's primary context (PyTorch's streams of this

@@ -103,7 +103,8 @@ impl Device {
         }
         launched
             .map_err(|e| Error::Kernel { kernel: name.into(), message: format!("launch refused: {e:?} ({cfg:?})") })?;
-        if self.0.sync_each_launch {
+        // A capturing stream runs nothing yet, and may not be waited for.
+        if self.0.sync_each_launch && !self.is_capturing()? {
             self.synchronize()?;
         }
         Ok(())

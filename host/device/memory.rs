@@ -330,7 +330,8 @@ impl DeviceBuffer {
 
     /// Copies `src` (exactly `bytes` long) into the buffer, stream-ordered, without waiting:
     /// the driver stages pageable host memory before it returns, so `src` may go at once. For
-    /// small parameter blocks (tensor maps) that a kernel launched next reads.
+    /// small blocks that the work issued next reads. Not for work a CUDA graph may record: the
+    /// graph keeps the address of `src`, not its contents.
     pub(crate) fn copy_from_host_async<T: Copy>(&mut self, src: &[T]) -> Result<()> {
         assert_eq!(std::mem::size_of_val(src), self.bytes);
         if self.bytes == 0 {

@@ -57,7 +57,8 @@ struct Inner {
     /// Index of the last kernel launched, to name it when a later synchronisation reports that a
     /// kernel faulted.
     last_launch: AtomicUsize,
-    /// `KERNELS_SYNC=1`: synchronise after every launch, so a fault is pinned to its kernel.
+    /// `KERNELS_SYNC=1`: synchronise after every launch, so a fault is pinned to its kernel
+    /// (not on a stream capturing a CUDA graph, which runs nothing then).
     sync_each_launch: bool,
     /// `KERNELS_POISON_ALLOC=1`: fill every new allocation with 0xFF bytes (NaN in f32, f16 and
     /// bf16), so an element a kernel fails to write reads back as NaN. For tests; costs a memset.

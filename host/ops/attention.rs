@@ -334,9 +334,7 @@ fn launch_hopper(
     let mq = map(params.q, (dims.seq_q, dims.heads_q), params.q_stride, hopper::BM)?;
     let mk = map(params.k, (dims.seq_k, dims.heads_kv), params.k_stride, hopper::BN)?;
     let mv = map(params.v, (dims.seq_k, dims.heads_kv), params.v_stride, hopper::BN)?;
-    let words: Vec<u64> = mq.iter().chain(&mk).chain(&mv).copied().collect();
-    let mut maps = dev.alloc(op, 8 * words.len())?;
-    maps.copy_from_host_async(&words)?;
+    let maps = super::gemm_wgmma::upload_maps(op, dev, &[mq, mk, mv])?;
     let q_blocks = dims.seq_q.div_ceil(hopper::BM as usize);
     let per_batch = q_blocks * dims.heads_q;
     let batches = (i32::MAX as usize / per_batch.max(1)).clamp(1, dims.batch.max(1));
@@ -601,15 +599,13 @@ fn launch_hopper_bwd(
         super::gemm_wgmma::tiled_map(op, dtype, ptr as u64, &shape, &[st[2], st[1], st[0]], &[64, hopper_bwd::BN, 1, 1])
     };
     let (qs, ks) = (params.q_stride, params.kv_stride);
-    let words: Vec<u64> = [
+    let maps = [
         map(params.q, (dims.seq_q, dims.heads_q), qs)?,
         map(params.k, (dims.seq_k, dims.heads_kv), ks)?,
         map(params.v, (dims.seq_k, dims.heads_kv), ks)?,
         map(params.dout, (dims.seq_q, dims.heads_q), qs)?,
-    ]
-    .concat();
-    let mut maps = dev.alloc(op, 8 * words.len())?;
-    maps.copy_from_host_async(&words)?;
+    ];
+    let maps = super::gemm_wgmma::upload_maps(op, dev, &maps)?;
     let bm = hopper_bwd::BM as usize;
     let (q_blocks, k_blocks) = (dims.seq_q.div_ceil(bm), dims.seq_k.div_ceil(bm));
     let (dq_per_batch, dkdv_per_batch) = (q_blocks * dims.heads_q, k_blocks * dims.heads_kv);

@@ -124,7 +124,9 @@ fn plan(dev: &crate::Device, kernel: &str, dt: DType, rows: u64, cols: u64) -> R
 /// `F.cross_entropy(logits, target, reduction=, ignore_index=, label_smoothing=)`. Returns the
 /// loss (shape `[]`, or `[N]` for [`Reduction::None`], in the logits' dtype) and what the
 /// backward needs. A target outside `[0, C)` that is not `ignore_index` is an
-/// [`Error::InvalidArgument`] naming its row (checking costs a synchronisation with the device).
+/// [`Error::InvalidArgument`] naming its row (checking costs a synchronisation with the device),
+/// except on a stream capturing a CUDA graph ([`crate::Device::is_capturing`]): nothing may wait
+/// for it, and such a target's loss is NaN.
 pub fn cross_entropy(
     logits: &Tensor,
     target: &IndexTensor,
@@ -220,6 +222,18 @@ pub fn cross_entropy_out(
         // SAFETY: loss and target hold rows entries; the output and count one each.
         unsafe { dev.launch(T::CROSS_ENTROPY.reduce, cfg, args) }
     })?;
+    check_targets(op, &bad, &opts, cols)
+}
+
+/// The forwards' check of the targets: the error naming the row of one outside `[0, cols)` that
+/// is not `ignore_index`, read back from the kernel's flag `bad` (a synchronisation). Skipped on
+/// a stream that is capturing a CUDA graph ([`crate::Device::is_capturing`]), which may not be
+/// waited for and whose replays' targets are not there yet: such a target then shows only as
+/// a NaN loss.
+fn check_targets(op: &'static str, bad: &IndexTensor, ce: &CrossEntropyOpts, cols: u64) -> Result<()> {
+    if bad.device().is_capturing()? {
+        return Ok(());
+    }
     let bad_row = bad.to_vec()?[0];
     if bad_row != 0 {
         return Err(Error::InvalidArgument {
@@ -227,7 +241,7 @@ pub fn cross_entropy_out(
             message: format!(
                 "target of row {} is outside [0, {cols}) and is not ignore_index ({})",
                 bad_row - 1,
-                opts.ignore_index
+                ce.ignore_index
             ),
         });
     }
@@ -396,7 +410,8 @@ pub(crate) unsafe fn launch_count(dev: &crate::Device, target: u64, count: u64, 
 }
 
 /// The reduced loss (`[]`, `dt`) of the per-row losses `loss` (f32 `[rows]`) into `out`, for sum
-/// and mean; then the out-of-range target check (a synchronisation).
+/// and mean; then the out-of-range target check (a synchronisation, except under CUDA graph
+/// capture: see [`check_targets`]).
 pub(crate) fn finish_loss(
     op: &'static str,
     target: &IndexTensor,
@@ -430,18 +445,7 @@ pub(crate) fn finish_loss(
             unsafe { dev.launch(T::CROSS_ENTROPY.reduce, cfg, args) }
         })?;
     }
-    let bad_row = bad.to_vec()?[0];
-    if bad_row != 0 {
-        return Err(Error::InvalidArgument {
-            op,
-            message: format!(
-                "target of row {} is outside [0, {cols}) and is not ignore_index ({})",
-                bad_row - 1,
-                ce.ignore_index
-            ),
-        });
-    }
-    Ok(())
+    check_targets(op, bad, ce, cols)
 }
 
 fn check_one_pass(
@@ -488,7 +492,8 @@ fn loss_shape(opts: &CrossEntropyOnePassOpts, rows: u64) -> Vec<usize> {
 /// gradient is written: a small kernel counts the targets first (one read of `[N]` indices), so
 /// the caller passes only the upstream gradient, not the count. For training, where the loss is
 /// the objective, `grad_scale = 1`; a gradient that arrives later (autograd) multiplies the
-/// returned gradient as PyTorch's own fused losses do.
+/// returned gradient as PyTorch's own fused losses do. Targets are checked as by
+/// [`cross_entropy`] (a synchronisation, skipped under CUDA graph capture).
 pub fn cross_entropy_one_pass(
     logits: &Tensor,
     target: &IndexTensor,

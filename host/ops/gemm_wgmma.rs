@@ -3,15 +3,17 @@
 //!
 //! The kernels read A and B through TMA tensor maps (`cuTensorMapEncodeTiled`), which need
 //! 16-byte aligned rows; the maps go to the device in a small buffer written just before the
-//! launch, stream-ordered (the kernel fences them: `prim::fence_tensormap`).
+//! launch, stream-ordered, by a kernel that takes them as its parameter ([`upload_maps`]; the
+//! kernel fences them: `prim::fence_tensormap`).
 
-use crate::device::{Device, LaunchConfig};
+use crate::device::{Device, DeviceBuffer, LaunchConfig};
 use crate::error::{Error, Result, driver};
 use cudarc::driver::sys;
 use kernels_gpu::DType;
 use kernels_gpu::gemm_epilogue::Epilogue;
 use kernels_gpu::gemm_wgmma::{
-    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, PAIR_K, SMEM_BYTES, SPLIT_K, THREADS, WgmmaArgs, wgmma_kernel,
+    A_BATCHED, B_BATCHED, BK, BM, BN, CLUSTER, MAP_WORDS, MapsArgs, PAIR_K, SMEM_BYTES, SPLIT_K, THREADS, TensorMaps,
+    WgmmaArgs, store_tensor_maps, wgmma_kernel,
 };
 
 /// One input operand as stored: device address, elements between rows (`ld`) and between the
@@ -100,6 +102,30 @@ pub(crate) fn tiled_map(
     Ok(map.opaque)
 }
 
+/// A device buffer of [`MAP_WORDS`] words holding `maps` (at most four) in order, written
+/// stream-ordered by a one-thread kernel whose parameter carries them (`store_tensor_maps`), for the
+/// kernels launched after it. Not a copy from host memory: a CUDA graph that records the work
+/// keeps a kernel's parameters by value, but of a host-to-device copy only the host address, of
+/// a vector freed when this returns.
+pub(crate) fn upload_maps(op: &'static str, dev: &Device, maps: &[[u64; 16]]) -> Result<DeviceBuffer> {
+    if maps.len() * 16 > MAP_WORDS {
+        return Err(Error::InvalidArgument {
+            op,
+            message: format!("internal: {} tensor maps in one buffer", maps.len()),
+        });
+    }
+    let mut words = TensorMaps { words: [0; MAP_WORDS] };
+    for (dst, map) in words.words.chunks_exact_mut(16).zip(maps) {
+        dst.copy_from_slice(map);
+    }
+    let buf = dev.alloc(op, 8 * MAP_WORDS)?;
+    let cfg = LaunchConfig { grid: (1, 1, 1), block: (1, 1, 1), shared_bytes: 0 };
+    let args: MapsArgs = (buf.ptr() as *mut u64, words);
+    // SAFETY: the buffer holds MAP_WORDS words (its allocation is aligned far beyond 64 bytes).
+    unsafe { dev.launch(store_tensor_maps, cfg, args) }?;
+    Ok(buf)
+}
+
 /// How [`launch`] splits one product along K: slices of `chunk` elements (a multiple of 64),
 /// slice `s`'s partial product into D's batch `s`; `paired`: the two blocks of a cluster take
 /// the same tile and two slices (`PAIR_K`, for at most `BM` rows), so D has `2 * batch` batches.
@@ -161,9 +187,7 @@ pub(crate) fn launch(
     } else {
         tensor_map(op, input, b.ptr, (n, k, bmul(b)), (b.ld, b.stride), (64, BK))?
     };
-    let mut maps = dev.alloc(op, 256)?;
-    let words: Vec<u64> = map_a.iter().chain(map_b.iter()).copied().collect();
-    maps.copy_from_host_async(&words)?;
+    let maps = upload_maps(op, dev, &[map_a, map_b])?;
     let flags = if a.stride != 0 { A_BATCHED } else { 0 }
         | if b.stride != 0 { B_BATCHED } else { 0 }
         | if split.is_some() { SPLIT_K } else { 0 }

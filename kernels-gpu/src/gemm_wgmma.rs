@@ -74,6 +74,31 @@ pub const PAIR_K: u32 = 8;
 /// slices' length (a multiple of [`BK`]; a slice that starts at or beyond `k` is zeros).
 pub type WgmmaArgs = (*const u64, Epilogue, u32, u32, u32, u32);
 
+/// The most words of tensor maps one buffer holds: four 128-byte `CUtensorMap`s (the attention
+/// backward's Q, K, V and dO; the GEMM's A and B take two).
+pub const MAP_WORDS: usize = 64;
+
+/// Tensor maps as one kernel parameter (`#[repr(C)]`, 512 bytes): what [`MapsArgs`]' kernel
+/// writes to the global memory the GEMM and attention kernels read them from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMaps {
+    /// The maps, 16 words each, in order; zeros after the last.
+    pub words: [u64; MAP_WORDS],
+}
+
+/// A kernel parameter: a plain `#[repr(C)]` array of integers.
+impl crate::kernel::Param for TensorMaps {}
+
+/// `(dst, maps)` of `store_tensor_maps`: `dst` ([`MAP_WORDS`] words of global memory, 64-byte
+/// aligned) gets `maps`, from one thread. The maps travel in the launch's parameters, which a CUDA
+/// graph that records the launch keeps by value; a copy from host memory would keep the host
+/// address instead, of a buffer gone before the graph is replayed.
+pub type MapsArgs = (*mut u64, TensorMaps);
+
+#[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90a"))]
+crate::kernel!(store_tensor_maps: MapsArgs = |dst, maps| device::store_maps(dst, maps));
+
 /// Tile `t` of a persistent walk over `batch x tiles_m x tiles_n` tiles (here the tiles of a
 /// cluster, `CLUSTER * BM x BN`): `(batch, tile row, tile column)`. Within a batch, groups of
 /// [`GROUP_M`] tile rows are walked column by column, so consecutive tiles share B's columns and
@@ -98,6 +123,19 @@ mod device {
 
     /// Consumer warpgroups.
     const CONSUMERS: u32 = 2;
+
+    /// [`MapsArgs`]: every word, with constant indices (a run-time index into the parameter
+    /// would copy it to local memory).
+    ///
+    /// # Safety
+    /// `dst` holds [`MAP_WORDS`] words of global memory.
+    pub unsafe fn store_maps(dst: *mut u64, maps: TensorMaps) {
+        unroll!(W: usize; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31
+            32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 => {
+            // SAFETY: W < MAP_WORDS, which dst holds (the function's contract).
+            unsafe { *dst.add(W) = maps.words[W] };
+        });
+    }
 
     /// The whole epilogue of a consumer thread's accumulators (laid out as
     /// [`WgmmaAcc`] says, from `(row, col)`). Not inlined, and a rolled loop: written
@@ -528,7 +566,7 @@ macro_rules! wgmma_kernels {
         /// Every kernel of the family.
         #[cfg(not(target_arch = "nvptx64"))]
         pub fn all_kernels() -> impl Iterator<Item = crate::kernel::KernelEntry> {
-            [$( $( $name.entry(), )* )*].into_iter()
+            [$( $( $name.entry(), )* )* store_tensor_maps.entry()].into_iter()
         }
     };
 }

@@ -9,6 +9,12 @@ kernels load 16-byte vectors from the first element), allocates every output wit
 allocator (``torch.empty``), and hands the raw addresses and PyTorch's current stream to
 ``_native``, which runs the kernel on that stream (``kernels::Device::with_stream``). Nothing is
 synchronised, except by the cross-entropy, which reads back whether a target was out of range.
+
+Under CUDA graph capture (``torch.cuda.graph``) every operator records into the graph: the
+library's temporaries become the graph's own allocations, and the cross-entropy skips its
+target check (nothing may wait for a capturing stream), so an out-of-range target then gives a
+NaN loss instead of an error. Call each operator once before capturing, as PyTorch's warm-up
+does: its kernels load on first use.
 """
 
 import inspect
@@ -1164,7 +1170,8 @@ def cross_entropy(
       unbatched ``[C]`` with a 0-d target, and ``[N, C, d1, ...]`` with ``[N, d1, ...]``, with the
       class dimension moved last first (a copy for the latter); ``reduction="none"`` gives the
       target's shape back. An out-of-range target (not ``ignore_index``) is a ValueError naming
-      its row, which costs a synchronisation with the GPU per call.
+      its row, which costs a synchronisation with the GPU per call; under CUDA graph capture it
+      is not checked (its loss is NaN).
     - Class weights, or class probabilities as the target (floating point, the input's shape):
       the log-softmax is ours, the rest PyTorch's own formulas (those of ATen's
       ``cross_entropy``), so the result is PyTorch's on our log-softmax.

@@ -452,7 +452,9 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
     running-statistics update, ``momentum=None`` included) running ``kernels_torch.batch_norm``
     on CUDA inputs of float32, bfloat16 or float16 whose parameters and running statistics are
     float32 (a float32 module, or any under ``torch.autocast``); PyTorch's own otherwise (CPU
-    tensors, float64, a module converted to half precision)."""
+    tensors, float64, a module converted to half precision). Training with ``momentum=None``
+    reads the batch count back to the host, so under CUDA graph capture it raises a RuntimeError
+    (before any work is issued) where PyTorch's module breaks the capture."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not _bn_ours(x, self.weight, self.bias, self.running_mean, self.running_var):
@@ -461,6 +463,13 @@ class BatchNorm2d(torch.nn.BatchNorm2d):
         # torch.nn.modules.batchnorm._BatchNorm.forward, with the kernels' batch norm.
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            if self.momentum is None and torch.cuda.is_current_stream_capturing():
+                # Refused before any work is issued, so the capture stays usable.
+                raise RuntimeError(
+                    "BatchNorm2d(momentum=None) cannot be captured in a CUDA graph: its factor "
+                    "1 / num_batches_tracked is read back to the host each step (as in PyTorch's "
+                    "BatchNorm2d); give the module a float momentum to capture it"
+                )
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         bn_training = self.training or (self.running_mean is None and self.running_var is None)

@@ -728,7 +728,8 @@ fn reduction(code: u8) -> PyResult<Reduction> {
 /// Cross-entropy of `logits` (`[rows, cols]`) against int64 `target` (`[rows]`) into `loss`
 /// (`[rows]` for reduction none, else `[]`), saving f32 `lse` (`[rows]`) and `count` (`[1]`).
 /// Synchronises with the stream to check the targets (an out-of-range one is a ValueError
-/// naming its row).
+/// naming its row), except while the stream captures a CUDA graph (then such a row's loss is
+/// NaN, unreported).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn cross_entropy_fwd(
@@ -801,7 +802,7 @@ fn cross_entropy_bwd(
 
 /// The one-pass cross-entropy: the loss into `loss` (`[rows]` for reduction none, else `[]`)
 /// and the logits' gradient for a loss gradient of 1 into `gx`. Synchronises with the stream to
-/// check the targets, as `cross_entropy_fwd`.
+/// check the targets, as `cross_entropy_fwd` (and not under CUDA graph capture either).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn cross_entropy_one_pass_fwd(
