@@ -346,8 +346,9 @@ fn gemm_close(what: &str, dt: DType, got: &Tensor, want: &Tensor, absprod: &Tens
     Ok(())
 }
 
+/// candle's matmul refuses a strided left operand (a narrowed view): the reference copies it.
 fn linear_ref(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
-    let y = x.broadcast_matmul(&w.t()?)?;
+    let y = x.contiguous()?.broadcast_matmul(&w.t()?)?;
     match b {
         Some(b) => y.broadcast_add(b),
         None => Ok(y),
@@ -388,7 +389,7 @@ fn linear_case(bias: bool, dt: DType) -> R<()> {
             let y = linear_ref(&xa, &wa, Some(&b32.abs()?))?;
             let g2 = ga.reshape((rows, out))?;
             let dx = g2.matmul(&wa)?.reshape(shape.clone())?;
-            let dw = g2.t()?.matmul(&xa.reshape((rows, inp))?)?;
+            let dw = g2.t()?.matmul(&xa.contiguous()?.reshape((rows, inp))?)?;
             let db = g2.sum(0)?;
             Ok::<_, candle_core::Error>(vec![y, dx, dw, db])
         })()

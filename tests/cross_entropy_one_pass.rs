@@ -96,9 +96,7 @@ fn reference(c: &Case) -> Want {
             // 0 * inf.
             let px = if p == 0.0 { 0.0 } else { p * (2.0 + lse.abs() + x.abs()) };
             w.gtol[r * cols + j] = gn.abs()
-                * (px * pz.abs() * k
-                    + p * 2.0 * z.abs() * k * (1.0 + lse.abs())
-                    + 4.0 * E * (1.0 + p * pz.abs()));
+                * (px * pz.abs() * k + p * 2.0 * z.abs() * k * (1.0 + lse.abs()) + 4.0 * E * (1.0 + p * pz.abs()));
         }
     }
     w

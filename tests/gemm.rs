@@ -421,8 +421,10 @@ fn deterministic(dev: &Device) -> Result<(), String> {
 /// (and not those of the FMA kernel); with Tf32 set, `matmul` and `linear` give those of explicit
 /// plain TF32 products (and not those of the other two); set back, those of the FMA kernel. The
 /// other tests name their precision or use shapes below the 3xTF32 threshold and the default
-/// precision elsewhere, and this one sets it back before it returns.
+/// precision elsewhere, and this one sets it back before it returns. Plain TF32 reaches every
+/// shape, so while it is set the tests that use the default precision wait ([`PRECISION`]).
 fn device_precision(dev: &Device) -> Result<(), String> {
+    let _alone = PRECISION.write().unwrap_or_else(|p| p.into_inner());
     let n = 512; // C of 2^18 elements, K = 512: 3xTF32 runs its own kernel.
     let mut rng = TestRng::new(21);
     let a = Mats::random(&mut rng, None, n, n).upload(dev)?;
@@ -565,7 +567,12 @@ fn close(what: &str, got: &[f32], want: &[f64], tol: &[f64]) -> Result<(), Strin
 /// 0.5), or, for relu where |z| is within z's error, a whole |dy| (the sign may flip); the
 /// products `dx = dz W`, `dW = dz^T x`, `db = sum dz` add their own `(terms + 4) u S` and pass dz's
 /// error through `|W|`, `|x|`, 1.
+/// The device's f32 product precision is one per process: [`device_precision`] holds this
+/// exclusively while it changes it, the tests that rely on the default share it.
+static PRECISION: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 fn linear_layer(dev: &Device) -> Result<(), String> {
+    let _default_precision = PRECISION.read().unwrap_or_else(|p| p.into_inner());
     let u = U / 2.0;
     for (case, &(rows, inp, out, act)) in [
         (7usize, 33usize, 65usize, Activation::Relu),
