@@ -286,15 +286,15 @@ fn large_products(dev: &Device) -> Result<(), String> {
         cs.check(dev, Some(&[0, 77, big - 1]))?;
     }
     // The straight-line epilogue of the Hopper kernel (16-bit D with 16-byte aligned rows, whole
-    // 256-column tiles): alpha, the column bias and each activation; 520 columns end in a
-    // partial tile, which takes the general epilogue.
+    // 256-column tiles): alpha, the column bias, each activation and the residual; 520 columns
+    // end in a partial tile, which takes the general epilogue.
     let acts = [Activation::Identity, Activation::Relu, Activation::Gelu, Activation::GeluTanh, Activation::Silu];
     for (i, act) in acts.into_iter().enumerate() {
         for (j, (dts, alpha)) in
             [((DType::BF16, DType::BF16), 1.0), ((DType::F16, DType::F16), -0.5)].into_iter().enumerate()
         {
             let g = Gemm { trans_a: i % 2 == 1, trans_b: j == 0, alpha, beta: 0.0, precision: None };
-            let parts = Parts { bias: (i + j) % 2 == 0, ..Parts::default() };
+            let parts = Parts { bias: (i + j) % 2 == 0, residual: i % 2 == j, ..Parts::default() };
             let cs = make_case(4000 + 2 * i as u64 + j as u64, dts, g, None, (131, 520, 200), 0, parts, act);
             cs.check(dev, None)?;
         }
