@@ -560,6 +560,10 @@ fn close(what: &str, got: &[f32], want: &[f64], tol: &[f64]) -> Result<(), Strin
     Ok(())
 }
 
+/// The device's f32 product precision is one per process: [`device_precision`] holds this
+/// exclusively while it changes it, the tests that rely on the default share it.
+static PRECISION: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 /// The layer against [`linear_ref`]. Tolerances propagate the bounds of the module header:
 /// `z` carries at most `(in + 4) u S_z` (S_z = sum |x w| + |b|); `y = act(z)` adds the
 /// activation's own bound and passes z's error with slope <= 1.2; `dz = act'(z) dy` carries
@@ -567,10 +571,6 @@ fn close(what: &str, got: &[f32], want: &[f64], tol: &[f64]) -> Result<(), Strin
 /// 0.5), or, for relu where |z| is within z's error, a whole |dy| (the sign may flip); the
 /// products `dx = dz W`, `dW = dz^T x`, `db = sum dz` add their own `(terms + 4) u S` and pass dz's
 /// error through `|W|`, `|x|`, 1.
-/// The device's f32 product precision is one per process: [`device_precision`] holds this
-/// exclusively while it changes it, the tests that rely on the default share it.
-static PRECISION: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
 fn linear_layer(dev: &Device) -> Result<(), String> {
     let _default_precision = PRECISION.read().unwrap_or_else(|p| p.into_inner());
     let u = U / 2.0;
