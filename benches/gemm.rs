@@ -120,6 +120,17 @@ fn cases() -> Vec<Case> {
         add_h(4096, 4096, 4096, true, false, false);
         add_h(4096, 4096, 4096, true, true, false);
         add_h(8192, 4096, 4096, false, true, true);
+        if dtype == DType::BF16 {
+            // GPT-2 124M at batch x context = 16 x 1024 (examples/gpt2): the forward's x W^T (the
+            // QKV, attention output, MLP up and down projections), the backward's dy W and
+            // dy^T x, and the MLP's fused up projection.
+            for (n, k) in [(2304, 768), (768, 768), (3072, 768), (768, 3072)] {
+                add_h(16384, n, k, false, true, false);
+                add_h(16384, k, n, false, false, false);
+                add_h(n, k, 16384, true, false, false);
+            }
+            add_h(16384, 3072, 768, false, true, true);
+        }
     }
     v
 }

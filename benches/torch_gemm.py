@@ -17,12 +17,16 @@ from triton.testing import do_bench
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 2048, 2048), (8192, 11008, 4096),
           (8192, 4096, 11008), (8192, 128256, 4096), (128, 4096, 4096), (16, 4096, 4096)]
+GPT2_SHAPES = [(16384, 2304, 768), (16384, 768, 768), (16384, 3072, 768), (16384, 768, 3072)]
 
 
 def main():
     records = []
     for dtype, dt in [(torch.bfloat16, "bf16"), (torch.float16, "f16")]:
         cases = [(s, False) for s in SHAPES] + [((8192, 4096, 4096), True)]
+        if dtype == torch.bfloat16:
+            # GPT-2 124M at 16 x 1024 tokens (examples/gpt2), as benches/gemm.rs.
+            cases += [(s, False) for s in GPT2_SHAPES] + [((16384, 3072, 768), True)]
         for (m, n, k), fused in cases:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             w = torch.randn(n, k, device="cuda", dtype=dtype)
