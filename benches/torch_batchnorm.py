@@ -10,15 +10,13 @@ scripts/compare.py joins the two on (op, dtype, n, direction).
 Parameters and running statistics are float32 (as the library's, and as cuDNN takes them for
 half inputs). The backward is autograd's gradient of x, weight and bias over a retained graph.
 """
-import json
-import re
-import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 dev = "cuda"
 torch.backends.cudnn.benchmark = True
@@ -87,29 +85,15 @@ def build(op, direction, dt, layout, shape):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    rows = []
-    for op, direction, dt, layout, shape in cases():
-        c, h = shape
-        opname = f"{op}_{layout}@{c}x{h}"
-        elements = BATCH * c * h * h
-        name = f"torch/{dt}/{direction}/{opname}/{elements}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(op, direction, dt, layout, shape)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        nb = nbytes(op, direction, dt, shape)
-        gbs = nb / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=elements, direction=direction, bytes=nb, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:64s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for op, direction, dt, layout, shape in cases():
+            c, h = shape
+            opname = f"{op}_{layout}@{c}x{h}"
+            elements = BATCH * c * h * h
+            yield Case(f"torch/{dt}/{direction}/{opname}/{elements}", opname, dt, elements, direction,
+                       nbytes(op, direction, dt, shape), partial(build, op, direction, dt, layout, shape))
+
+    torch_baseline.main(all_cases(), 64)
 
 
 if __name__ == "__main__":

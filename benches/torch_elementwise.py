@@ -27,16 +27,14 @@ unary 2N / 3N, binary 3N / 5N, add_row 2N + C / 3N + 2C, fused 2N + 2C / 3N + 4C
 columns), copy 2N; the gated ops 3M / 5M on M = rows * GLU_F outputs, rows = N // GLU_F; times the
 element size.
 """
-import json
-import re
-import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from kernels_torch import _native
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 aten = torch.ops.aten
 dev = "cuda"
@@ -247,26 +245,12 @@ def build(op, kind, dt, n, direction):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda, flush=True)
-    rows = []
-    for op, kind, dt, n, direction in cases():
-        name = f"torch/{dt}/{direction}/{op}/{n}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(op, kind, dt, n, direction)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        b = nbytes(kind, direction, n, dt)
-        gbs = b / ms / 1e6
-        rows.append(dict(name=name, op=op, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:44s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for op, kind, dt, n, direction in cases():
+            yield Case(f"torch/{dt}/{direction}/{op}/{n}", op, dt, n, direction, nbytes(kind, direction, n, dt),
+                       partial(build, op, kind, dt, n, direction))
+
+    torch_baseline.main(all_cases(), 44, header=("cuda", torch.version.cuda))
 
 
 if __name__ == "__main__":

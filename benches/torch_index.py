@@ -9,14 +9,12 @@ The backward passes are autograd's gradient of the input over a retained graph (
 ``index_add_`` and ``scatter_add_`` with atomics on CUDA, so their sums are not deterministic).
 Indices are uniform in ``[0, size)``. Bytes are counted as in the Rust bench.
 """
-import json
-import re
-import sys
+from functools import partial
 
 import torch
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 dev = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -90,28 +88,15 @@ def build(direction, dt, s):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    rows = []
-    for direction, dt, s in cases():
-        op, cname, x, _, _ = s
-        opname = f"{op}_{cname}@{x[0]}x{x[1]}"
-        elements, nb = elements_and_bytes(direction, dt, s)
-        name = f"torch/{dt}/{direction}/{opname}/{elements}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(direction, dt, s)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        gbs = nb / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=elements, direction=direction, bytes=nb, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:64s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for direction, dt, s in cases():
+            op, cname, x, _, _ = s
+            opname = f"{op}_{cname}@{x[0]}x{x[1]}"
+            elements, nb = elements_and_bytes(direction, dt, s)
+            yield Case(f"torch/{dt}/{direction}/{opname}/{elements}", opname, dt, elements, direction, nb,
+                       partial(build, direction, dt, s))
+
+    torch_baseline.main(all_cases(), 64)
 
 
 if __name__ == "__main__":

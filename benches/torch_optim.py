@@ -11,14 +11,12 @@ kernel plus the optimizer's Python overhead, which is what a training loop pays.
 counted as in the Rust bench (f32 moments: n * (3 s + 16)), although PyTorch keeps bf16 moments
 for bf16 parameters and moves 14 bytes per element where we move 22 (see benches/optim.rs).
 """
-import json
-import re
-import sys
+from functools import partial
 
 import torch
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -40,27 +38,12 @@ def build(dt):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    rows = []
-    for dt in DTYPES:
-        name = f"torch/{dt}/step/adamw/{N}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(dt)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        s = torch.finfo(DTYPES[dt]).bits // 8
-        b = N * (3 * s + 16)
-        gbs = b / ms / 1e6
-        rows.append(dict(name=name, op="adamw", dtype=dt, n=N, direction="step", bytes=b, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:56s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for dt in DTYPES:
+            s = torch.finfo(DTYPES[dt]).bits // 8
+            yield Case(f"torch/{dt}/step/adamw/{N}", "adamw", dt, N, "step", N * (3 * s + 16), partial(build, dt))
+
+    torch_baseline.main(all_cases(), 56)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ pairs are Meta's LLaMA code: ``view_as_complex`` of x in f32 times the complex e
 is the forward written back into x (``x.copy_``), as close as eager PyTorch comes. The copy is
 ``x.clone()``. Bytes are counted as in the Rust bench.
 """
-import json
-import re
-import sys
+from functools import partial
 
 import torch
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 dev = "cuda"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -83,29 +81,15 @@ def build(op, direction, dt, layout, shape):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    rows = []
-    for op, direction, dt, layout, shape in cases():
-        b, s, h, d = shape
-        opname = f"{op}_{layout}@{b}x{s}x{h}x{d}"
-        n = b * s * h * d
-        name = f"torch/{dt}/{direction}/{opname}/{n}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(op, direction, dt, layout, shape)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        nb = nbytes(op, dt, shape)
-        gbs = nb / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=nb, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:64s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for op, direction, dt, layout, shape in cases():
+            b, s, h, d = shape
+            opname = f"{op}_{layout}@{b}x{s}x{h}x{d}"
+            n = b * s * h * d
+            yield Case(f"torch/{dt}/{direction}/{opname}/{n}", opname, dt, n, direction, nbytes(op, dt, shape),
+                       partial(build, op, direction, dt, layout, shape))
+
+    torch_baseline.main(all_cases(), 64)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,14 @@ F.cross_entropy(F.linear(h, W), t) with the gradients of h and W that of the fus
 linear_cross_entropy (hidden size 4096). Bytes are counted as in the Rust bench. KERNELS_BENCH_SHAPES (comma-separated ROWSxCOLS) replaces the shapes of
 softmax, the norms and transpose, as in the Rust bench.
 """
-import json
 import os
-import re
-import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
-from peak_memory import peak_extra_bytes
+import torch_baseline
+from torch_baseline import Case
 
 aten = torch.ops.aten
 dev = "cuda"
@@ -169,28 +167,14 @@ def build(op, direction, dt, r, c):
 
 
 def main():
-    path = sys.argv[1] if len(sys.argv) > 1 else "/dev/null"
-    keep = re.compile(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    rows = []
-    for op, direction, dt, r, c in cases():
-        opname = f"{op}@{r}x{c}"
-        n = r * c
-        name = f"torch/{dt}/{direction}/{opname}/{n}"
-        if keep is not None and not keep.search(name):
-            continue
-        fn = build(op, direction, dt, r, c)
-        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-        b = nbytes(op, direction, r, c, dt)
-        gbs = b / ms / 1e6
-        rows.append(dict(name=name, op=opname, dtype=dt, n=n, direction=direction, bytes=b, ms=ms, gbs=gbs,
-                         peak_extra_bytes=peak_extra_bytes(fn)))
-        print(f"{name:56s} {ms * 1e3:10.2f} us {gbs:9.1f} GB/s", flush=True)
-        del fn
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {len(rows)} records to {path}")
+    def all_cases():
+        for op, direction, dt, r, c in cases():
+            opname = f"{op}@{r}x{c}"
+            n = r * c
+            yield Case(f"torch/{dt}/{direction}/{opname}/{n}", opname, dt, n, direction,
+                       nbytes(op, direction, r, c, dt), partial(build, op, direction, dt, r, c))
+
+    torch_baseline.main(all_cases(), 56)
 
 
 if __name__ == "__main__":

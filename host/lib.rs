@@ -51,6 +51,8 @@ pub mod tensor;
 #[cfg(test)]
 mod ptx_tests;
 
+#[doc(hidden)]
+pub use device::TensorMapCacheStats;
 pub use device::{Device, Event, MemoryStats, Trace, device_count};
 pub use error::{Error, Result};
 pub use kernels_gpu::DType;

@@ -340,6 +340,7 @@ impl Inner {
             cluster_occupancy: Mutex::new(HashMap::new()),
             tracing: AtomicBool::new(false),
             trace: Mutex::new(None),
+            map_cache: Mutex::new(map_cache::MapCache::default()),
         };
         inner.install(&inner.modules[probe], probe_handle)?;
         Ok(inner)
@@ -356,6 +357,12 @@ impl Drop for Inner {
                     let _ = result::free_async(p, self.stream);
                 }
                 let _ = result::stream::synchronize(self.stream);
+                // The stream has finished, and with the last clone gone no graph of the library's
+                // is replayed (a graph still holding a slot's address is the caller's to drop first).
+                let chunks = std::mem::take(&mut self.map_cache.get_mut().unwrap_or_else(|p| p.into_inner()).chunks);
+                for p in chunks {
+                    let _ = result::free_sync(p);
+                }
                 let _ = result::stream::destroy(self.stream);
                 for m in &self.modules {
                     if let Some(&h) = m.handle.get() {

@@ -14,11 +14,13 @@
 //!
 //! Split by concern: `context` (the driver, devices, contexts and streams), `module` (the
 //! embedded PTX and its per-op modules), `launch`, `memory` (the cache and the buffers),
-//! `event` and `trace` (the timeline recorder). Nothing here knows of the ops.
+//! `map_cache` (TMA tensor maps kept on the device, written once each), `event` and `trace`
+//! (the timeline recorder). Nothing here knows of the ops.
 
 mod context;
 mod event;
 mod launch;
+mod map_cache;
 mod memory;
 mod module;
 mod trace;
@@ -28,6 +30,7 @@ pub(crate) use context::forget_current_context;
 pub use event::Event;
 pub(crate) use event::{Mark, SideStream};
 pub use launch::LaunchConfig;
+pub use map_cache::TensorMapCacheStats;
 pub(crate) use memory::DeviceBuffer;
 pub use memory::MemoryStats;
 pub use module::{PTX_ARCHES, ptx, ptx_arch_for, ptx_for};
@@ -75,6 +78,8 @@ struct Inner {
     /// recording.
     tracing: AtomicBool,
     trace: Mutex<Option<trace::Recording>>,
+    /// Slots of TMA tensor maps on the device by their words, written once (`map_cache`).
+    map_cache: Mutex<map_cache::MapCache>,
 }
 
 // SAFETY: CUDA driver handles (context, stream, module, functions) may be used from any thread

@@ -362,8 +362,9 @@ fn launch_hopper(
             LaunchConfig { grid: ((per_batch * nz) as u32, 1, 1), block: (hopper::THREADS, 1, 1), shared_bytes: smem };
         // SAFETY: the maps describe Q, K and V as `dims` checked them (the copy engine reads
         // nothing outside them); O and lse are as for `launch`; the grid covers batches
-        // `z0..z0 + nz`; `smem` is within the device's limit (`uses_hopper`); the buffer of maps
-        // lives until the kernel has read it (freed stream-ordered after it).
+        // `z0..z0 + nz`; `smem` is within the device's limit (`uses_hopper`); the maps live until
+        // the kernel has read them (a cache slot is never rewritten, a buffer of this call's own
+        // is freed stream-ordered after it).
         unsafe { dev.launch(kernel, cfg, (piece,))? };
         z0 += nz;
     }
@@ -581,8 +582,8 @@ fn uses_hopper_bwd(dev: &Device, dtype: DType, dims: &Dims, dp: u32) -> bool {
 }
 
 /// Launches the Hopper backward's dQ and dK/dV kernels once `prep` has written the workspaces:
-/// the tensor maps of Q, K, V and dO (boxes of 64 x 64) in a small buffer written just before,
-/// stream-ordered, then pieces of the batch that keep both grids below 2^31.
+/// the tensor maps of Q, K, V and dO (boxes of 64 x 64) on the device (`upload_maps`: a slot of
+/// the device's cache, or a buffer written just before, stream-ordered), then pieces of the batch that keep both grids below 2^31.
 fn launch_hopper_bwd(
     op: &'static str,
     dev: &Device,
@@ -646,8 +647,8 @@ fn launch_hopper_bwd(
         // inputs' shapes and strides, the workspaces `prep`'s (`batch * heads_q * stat_pitch`
         // f32 each, written before in stream order); each grid covers batches `z0..z0 + nz`
         // (`blocks` resident blocks per head); `smem` is within the device's limit
-        // (`uses_hopper_bwd`); the buffer of maps lives until the kernels have read it (freed
-        // stream-ordered after them).
+        // (`uses_hopper_bwd`); the maps live until the kernels have read them (a cache slot is
+        // never rewritten, a buffer of this call's own is freed stream-ordered after them).
         unsafe {
             dev.launch(dq_kernel, cfg(dq_per_batch), (piece,))?;
             dev.launch(dkdv_kernel, cfg(dkdv_per_batch), (HopperBwdParams { blocks: k_blocks as u32, ..piece },))?;

@@ -2,9 +2,11 @@
 //! products it takes, the copy engine's tensor maps, and the persistent launch.
 //!
 //! The kernels read A and B through TMA tensor maps (`cuTensorMapEncodeTiled`), which need
-//! 16-byte aligned rows; the maps go to the device in a small buffer written just before the
-//! launch, stream-ordered, by a kernel that takes them as its parameter ([`upload_maps`]; the
-//! kernel fences them: `prim::fence_tensormap`).
+//! 16-byte aligned rows; the maps go to the device written by a kernel that takes them as its
+//! parameter, stream-ordered ([`upload_maps`]; the kernel fences them:
+//! `prim::fence_tensormap`). Each distinct set is written once, into a slot of the device's
+//! cache of tensor maps (`host/device/map_cache.rs`): a model that runs the same products on the
+//! same buffers every step launches no writes after its first step.
 
 use crate::device::{Device, DeviceBuffer, LaunchConfig};
 use crate::error::{Error, Result, driver};
@@ -102,12 +104,33 @@ pub(crate) fn tiled_map(
     Ok(map.opaque)
 }
 
-/// A device buffer of [`MAP_WORDS`] words holding `maps` (at most four) in order, written
-/// stream-ordered by a one-thread kernel whose parameter carries them (`store_tensor_maps`), for the
-/// kernels launched after it. Not a copy from host memory: a CUDA graph that records the work
-/// keeps a kernel's parameters by value, but of a host-to-device copy only the host address, of
-/// a vector freed when this returns.
-pub(crate) fn upload_maps(op: &'static str, dev: &Device, maps: &[[u64; 16]]) -> Result<DeviceBuffer> {
+/// The tensor maps of one launch on the device: a slot of the device's cache
+/// (`Device::cached_tensor_maps`), or a buffer of this call's own when the cache cannot take them.
+pub(crate) struct Maps {
+    ptr: u64,
+    /// The buffer of this call, freed stream-ordered after the kernels that read it; `None`
+    /// for a cached slot, which lives as long as the device.
+    _own: Option<DeviceBuffer>,
+}
+
+impl Maps {
+    /// The device address of the maps ([`MAP_WORDS`] words, 64-byte aligned).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// `maps` (at most four) in order in [`MAP_WORDS`] words on the device, for the kernels launched
+/// after this on the calling thread's stream. Each set of maps is written once into a slot of the
+/// device's cache, keyed by its words (never stale: a map is a pure function of address, shape,
+/// strides, box, dtype and swizzle), so a repeated call launches nothing; when the cache cannot
+/// take them (full, or the stream capturing a graph), into a buffer of this call's own.
+///
+/// Either way the words are written by a one-thread kernel whose parameter carries them
+/// (`store_tensor_maps`), stream-ordered. Not a copy from host memory: a CUDA graph that records
+/// the work keeps a kernel's parameters by value, but of a host-to-device copy only the host
+/// address, of a vector freed when this returns.
+pub(crate) fn upload_maps(op: &'static str, dev: &Device, maps: &[[u64; 16]]) -> Result<Maps> {
     if maps.len() * 16 > MAP_WORDS {
         return Err(Error::InvalidArgument {
             op,
@@ -118,12 +141,19 @@ pub(crate) fn upload_maps(op: &'static str, dev: &Device, maps: &[[u64; 16]]) ->
     for (dst, map) in words.words.chunks_exact_mut(16).zip(maps) {
         dst.copy_from_slice(map);
     }
+    let store = |dst: u64| {
+        let cfg = LaunchConfig { grid: (1, 1, 1), block: (1, 1, 1), shared_bytes: 0 };
+        let args: MapsArgs = (dst as *mut u64, words);
+        // SAFETY: `dst` holds MAP_WORDS words, 64-byte aligned (a cache slot, or a buffer whose
+        // allocation is aligned far beyond that), which nothing reads before this kernel ends.
+        unsafe { dev.launch(store_tensor_maps, cfg, args) }
+    };
+    if let Some(ptr) = dev.cached_tensor_maps(op, &words.words, store)? {
+        return Ok(Maps { ptr, _own: None });
+    }
     let buf = dev.alloc(op, 8 * MAP_WORDS)?;
-    let cfg = LaunchConfig { grid: (1, 1, 1), block: (1, 1, 1), shared_bytes: 0 };
-    let args: MapsArgs = (buf.ptr() as *mut u64, words);
-    // SAFETY: the buffer holds MAP_WORDS words (its allocation is aligned far beyond 64 bytes).
-    unsafe { dev.launch(store_tensor_maps, cfg, args) }?;
-    Ok(buf)
+    store(buf.ptr())?;
+    Ok(Maps { ptr: buf.ptr(), _own: Some(buf) })
 }
 
 /// How [`launch`] splits one product along K: slices of `chunk` elements (a multiple of 64),
@@ -209,6 +239,7 @@ pub(crate) fn launch(
     let args: WgmmaArgs = (maps.ptr() as *const u64, epi, k as u32, batch as u32, flags, k_chunk as u32);
     // SAFETY: the maps describe A and B as the caller checked them (the copy engine reads
     // nothing outside them); `epi` describes D; the buffer of maps lives until the kernel has
-    // read it (freed stream-ordered after it).
+    // read it (a cache slot is never rewritten; a buffer of this call's own is freed
+    // stream-ordered after the kernel).
     unsafe { dev.launch(kernel, cfg, args) }
 }
