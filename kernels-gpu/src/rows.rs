@@ -14,7 +14,7 @@
 //!   `G <= 1024`. Kernels named `*_v4_*` and `*_v8_*` carry `.maxntid 1024` (build_ptx.rs).
 //! - *Register-resident, unaligned* (`_u<V>` instances, the same kernel bodies with `U = true`):
 //!   rows of any length (`cols % VEC != 0`, so rows start at every alignment). A row is held as
-//!   the 16-byte vectors of the aligned run around it ([`RowSpan`]): one vector more than its
+//!   the 16-byte vectors of the aligned run around it (`RowSpan`): one or two more than its
 //!   length needs at most, the lanes outside the row loaded but replaced by a value that leaves
 //!   the reductions as they are, and never stored (the first and last vectors are stored lane by
 //!   lane). Still one pass over memory; `cols + VEC - 1 <= G * V * VEC`.
