@@ -154,6 +154,33 @@ pub(crate) fn instance<S: RowSource>(src: &S, v: RowVariant) -> Result<S::Kernel
     src.instance(v).ok_or_else(|| Error::KernelNotFound { name: format!("a row kernel's {v:?} instance") })
 }
 
+/// The register-resident instances' vectors a row of `cols` elements of `dt` takes, and whether
+/// they are the aligned ones: `cols / VEC` (`Reg`) for rows of whole vectors, else the aligned
+/// run around a row (`RegU`, `kernels-gpu/src/rows.rs`), at most `(cols + VEC - 1) / VEC`
+/// vectors rounded up (a row starting `VEC - 1` elements into a vector). `None` for no columns.
+pub fn reg_span(dt: DType, cols: u64) -> Option<(u64, bool)> {
+    let vec = vec_len(dt);
+    match cols {
+        0 => None,
+        _ if cols.is_multiple_of(vec) => Some((cols / vec, true)),
+        // `ceil((cols + VEC - 1) / VEC)` without overflow: q vectors and r > 0 elements take
+        // q + 1 vectors, or q + 2 where r > 1 and the row starts late enough in its first.
+        _ => Some((cols / vec + 1 + u64::from(cols % vec > 1), false)),
+    }
+}
+
+/// Of `avail`, the vectors a thread with an instance for rows of whole vectors (`aligned`: all
+/// of them) or of any length (those the family declares `RegU` for: none, fewer vectors).
+fn reg_available<S: RowSource>(src: &S, avail: &[usize], aligned: bool) -> Vec<usize> {
+    avail.iter().copied().filter(|&v| aligned || src.instance(RowVariant::RegU(v)).is_some()).collect()
+}
+
+/// The register-resident instance `v` for rows of whole vectors (`aligned`: an error where the
+/// family lacks it) or of any length (`None` where the family has none: those rows stream).
+fn reg_instance<S: RowSource>(src: &S, v: usize, aligned: bool) -> Result<Option<S::Kernel>> {
+    if aligned { instance(src, RowVariant::Reg(v)).map(Some) } else { Ok(src.instance(RowVariant::RegU(v))) }
+}
+
 /// How a row kernel runs: its kernel and launch.
 pub(crate) struct RowPlan<K> {
     pub kernel: K,
@@ -163,9 +190,10 @@ pub(crate) struct RowPlan<K> {
 }
 
 /// Chooses between the register-resident instances of a row kernel (`src`'s `Reg(V)`, `V` from
-/// `avail`) and its streaming one for `rows` rows of `cols`
-/// elements of `dt`: registers when the rows are whole 16-byte vectors, short enough, and the
-/// kernel's registers allow the block (see `kernels-gpu/src/rows.rs`); the row spread over a
+/// `avail`, or `RegU(V)` for rows that are not whole vectors where the family has those) and its
+/// streaming one for `rows` rows of `cols` elements of `dt`: registers when the rows are short
+/// enough ([`reg_span`]) and the kernel's registers allow the block (see
+/// `kernels-gpu/src/rows.rs`); the row spread over a
 /// group as `spread` says ([`Spread`]; `Narrow` for launches of few rows).
 /// `None` if `rows` is 0.
 pub(crate) fn row_plan<S: RowSource>(
@@ -185,12 +213,11 @@ pub(crate) fn row_plan<S: RowSource>(
     // 1024 f32 in four-vector groups, half the blocks, ran behind PyTorch; in two-vector groups
     // ahead: docs/worklog.md, 2026-11-23-rows). The forwards go further: `fwd_row_plan`.
     let spread = if rows >= 4 * dev.sm_count() as u64 { spread } else { Spread::Narrow };
-    if cols > 0
-        && cols.is_multiple_of(vec)
-        && let Some(v) = reg_vectors(cols / vec, avail, spread)
+    if let Some((nvec, aligned)) = reg_span(dt, cols)
+        && let Some(v) = reg_vectors(nvec, &reg_available(src, avail, aligned), spread)
+        && let Some(kernel) = reg_instance(src, v, aligned)?
     {
-        let g = group_size(cols / vec, v as u64);
-        let kernel = instance(src, RowVariant::Reg(v))?;
+        let g = group_size(nvec, v as u64);
         if rows_fit_grid(rows, g)
             && let Some(cfg) = grid(rows, g)
             && cfg.block.0 * cfg.block.1 <= dev.max_threads(kernel.name())?
@@ -228,12 +255,10 @@ pub(crate) fn fwd_row_plan<S: RowSource>(
     avail: &[usize],
     spread: Spread,
 ) -> Result<Option<RowPlan<S::Kernel>>> {
-    let vec = vec_len(dt);
     let few = rows > 0 && rows < 4 * dev.sm_count() as u64;
-    if few && cols > 0 && cols.is_multiple_of(vec) {
-        let nvec = cols / vec;
-        for &v in avail.iter().filter(|&&v| nvec <= v as u64 * MAX_GROUP as u64) {
-            let kernel = instance(src, RowVariant::Reg(v))?;
+    if few && let Some((nvec, aligned)) = reg_span(dt, cols) {
+        for &v in reg_available(src, avail, aligned).iter().filter(|&&v| nvec <= v as u64 * MAX_GROUP as u64) {
+            let Some(kernel) = reg_instance(src, v, aligned)? else { break };
             let g = group_size(nvec, v as u64);
             let Some(cfg) = grid(rows, g) else { continue };
             let threads = cfg.block.0 * cfg.block.1;
@@ -355,10 +380,30 @@ mod tests {
                     prop_assert!(avail.contains(&v));
                 }
             }
+            for dt in DType::ALL {
+                if let Some((nvec, aligned)) = reg_span(dt, n) {
+                    // Every start a row may have, vec - 1 elements into a vector at most.
+                    let vec = vec_len(dt) as u128;
+                    let most = if aligned { n as u128 / vec } else { (n as u128 + vec - 1).div_ceil(vec) };
+                    prop_assert_eq!(nvec as u128, most);
+                }
+            }
             if let Some((c, g)) = cluster_split(n, a, &sizes, t) {
                 prop_assert!(sizes.contains(&c) && g.is_multiple_of(32) && g <= t.min(MAX_GROUP));
             }
         }
+    }
+
+    #[test]
+    fn row_spans() {
+        assert_eq!(reg_span(DType::BF16, 0), None);
+        assert_eq!(reg_span(DType::BF16, 4096), Some((512, true)));
+        assert_eq!(reg_span(DType::BF16, 1), Some((1, false)));
+        assert_eq!(reg_span(DType::BF16, 9), Some((2, false))); // at offset 7: 1 + 8
+        assert_eq!(reg_span(DType::BF16, 10), Some((3, false))); // at offset 7: 1 + 8 + 1
+        assert_eq!(reg_span(DType::BF16, 5123), Some((642, false)));
+        assert_eq!(reg_span(DType::F32, 7), Some((3, false))); // at offset 3: 1 + 4 + 2
+        assert_eq!(reg_span(DType::F32, u64::MAX), Some((u64::MAX / 4 + 2, false)));
     }
 
     #[test]

@@ -237,14 +237,14 @@ pub fn raise_ptx_isa(ptx: &str) -> String {
 
 /// The largest block a kernel is launched with, where ptxas must know it: rustc has no
 /// `__launch_bounds__`, so the directive is added to the PTX here. Kernels named `*_v4_*` and
-/// `*_v8_*` are register-resident row kernels with four or eight vectors per thread
+/// `*_v8_*` (and `*_u4_*`, over rows of any length) are register-resident row kernels with four or eight vectors per thread
 /// (kernels-gpu/src/rows.rs) that hold the longest rows in blocks of up to 1024 threads, which
 /// leaves 64 registers a thread. Without `.maxntid`, ptxas may give them more (the bf16 softmax
 /// backward took 92 after an unrelated change) and the 1024-thread launch is then refused, which
 /// sends those rows to the slower streaming kernel. The norms' backward is the exception: it
 /// keeps column sums in registers, needs far more than 64, and is launched with what it has.
 pub fn launch_bound(kernel: &str) -> Option<u32> {
-    let wide = kernel.contains("_v4_") || kernel.contains("_v8_");
+    let wide = ["_v4_", "_v8_", "_u4_"].iter().any(|v| kernel.contains(v));
     (wide && !kernel.contains("norm_bwd")).then_some(1024)
 }
 

@@ -1,7 +1,9 @@
 //! GPU tests of softmax and log-softmax, forward and backward, in f32, f16 and bf16, against
 //! f64 references (`common::reference`) on random shapes (row lengths 1, 2, 31-33, primes,
 //! 4097, 100003, ... chosen to hit every kernel: the register-resident ones with 1, 2, 4 and 8
-//! vectors per thread, the clusters, the streaming one on aligned and unaligned rows) and random
+//! vectors per thread, on rows of whole vectors (`_v`) and of any length (`_u`, rows starting
+//! at every offset within a vector), the clusters, the streaming one on aligned and unaligned
+//! rows) and random
 //! values with outliers. The f64 backward reference is itself checked against central finite
 //! differences of the f64 forward. Outputs come from poisoned (NaN-filled) allocations, so an
 //! unwritten element fails; determinism is checked by running twice and comparing bits.
@@ -110,7 +112,10 @@ fn softmax_case(dev: &Device, rows: usize, cols: usize, dt: DType, log: bool, se
     Ok(())
 }
 
-/// NaN, infinities and all -inf rows behave as PyTorch's softmax.
+/// NaN, infinities and all -inf rows behave as PyTorch's softmax. The five rows are repeated
+/// eight times, so that for a length that is not whole vectors each starts at every offset within
+/// a vector, next to the others (a neighbour's NaN or infinity in a row's first or last vector
+/// must not leak into it).
 fn softmax_specials(dev: &Device, dt: DType, cols: usize) -> Result<(), String> {
     let mut rows: Vec<Vec<f32>> = Vec::new();
     let base: Vec<f32> = (0..cols).map(|i| round_to(dt, (i as f32 * 0.37).sin() * 4.0)).collect();
@@ -124,12 +129,13 @@ fn softmax_specials(dev: &Device, dt: DType, cols: usize) -> Result<(), String> 
     with(0, f32::NEG_INFINITY); // -inf: probability 0, the rest normal
     rows.push(vec![f32::NEG_INFINITY; cols]); // all -inf: NaN
     rows.push(vec![round_to(dt, 3.0); cols]); // constant: uniform
-    let data: Vec<f32> = rows.concat();
-    let x = tensor(dev, &data, &[rows.len(), cols], dt)?;
-    for log in [false, true] {
+    const REPS: usize = 8;
+    let data: Vec<f32> = rows.concat().repeat(REPS);
+    let x = tensor(dev, &data, &[rows.len() * REPS, cols], dt)?;
+    for (log, b) in [false, true].into_iter().flat_map(|log| (0..REPS).map(move |b| (log, b))) {
         let y = if log { ops::log_softmax(&x) } else { ops::softmax(&x) }.map_err(e)?.to_f32_vec().map_err(e)?;
-        let row = |r: usize| &y[r * cols..(r + 1) * cols];
-        let ctx = format!("{dt:?} {cols} cols log={log}");
+        let row = |r: usize| &y[(b * 5 + r) * cols..(b * 5 + r + 1) * cols];
+        let ctx = format!("{dt:?} {cols} cols log={log} block {b}");
         if !row(0).iter().all(|v| v.is_nan())
             || !row(1).iter().all(|v| v.is_nan())
             || !row(3).iter().all(|v| v.is_nan())
@@ -151,6 +157,19 @@ fn softmax_specials(dev: &Device, dt: DType, cols: usize) -> Result<(), String> 
         }
     }
     Ok(())
+}
+
+/// Row lengths that are not whole vectors (all odd, so rows start at every offset within a
+/// vector).
+const UNALIGNED: [usize; 7] = [1, 7, 9, 4097, 5123, 32001, 50257];
+
+/// Whether rows of `cols` (not whole vectors) should run in registers: a row takes up to
+/// `(cols + VEC - 1) / VEC` vectors rounded up, in up to 1024 threads of four vectors (the `_u`
+/// kernels' most, forward and backward). So 5123 everywhere, 32001 in f16/bf16, 50257 nowhere.
+fn unaligned_in_registers(dt: DType, cols: usize) -> bool {
+    let vec = 16 / dt.size();
+    let span = cols / vec + 1 + usize::from(cols % vec > 1);
+    span <= 4 * 1024
 }
 
 fn main() -> ExitCode {
@@ -185,8 +204,28 @@ fn main() -> ExitCode {
     }));
     tests.push(test("softmax/specials", |dev: &Device| {
         for dt in DType::ALL {
-            for cols in [1, 5, 64, 1031, 4096, 40000] {
+            for cols in [1, 5, 7, 9, 64, 1031, 4096, 4097, 5123, 40000, 50257] {
                 softmax_specials(dev, dt, cols)?;
+            }
+        }
+        Ok(())
+    }));
+    tests.push(test("softmax/unaligned_rows", |dev: &Device| {
+        // Rows that are not whole vectors, in registers (`_u` kernels) where they fit, each
+        // length over nine rows, so that rows start at every offset within a vector (any length
+        // prime to the vector's elements). Which kernel each takes, then the values.
+        for cols in UNALIGNED {
+            for dt in DType::ALL {
+                for log in [false, true] {
+                    let [f, b] = ops::softmax_kernels(dev, log, dt, 9, cols as u64).map_err(e)?;
+                    let want = unaligned_in_registers(dt, cols);
+                    for (k, what) in [(&f, "_fwd_u"), (&b, "_bwd_u")] {
+                        if k.contains(what) != want {
+                            return Err(format!("9x{cols} {dt:?} log={log} runs {k}"));
+                        }
+                    }
+                    softmax_case(dev, 9, cols, dt, log, cols as u64)?;
+                }
             }
         }
         Ok(())
@@ -194,14 +233,15 @@ fn main() -> ExitCode {
     tests.push(test("softmax/cluster_backward", |dev: &Device| {
         // Backward rows too long for one block's registers, held by a cluster on sm_90 (four
         // vectors a thread, up to 1024 threads a block); a row of 16388 f32 is cut unevenly
-        // (c = 1: one block's registers; c = 0: streamed, here rows not of whole vectors).
+        // (c = 1: one block's registers; c = 0: rows not of whole vectors, in one block's
+        // registers by the kernel for rows of any length).
         for (cols, c_f32, c_half) in [(32768usize, 2, 1), (16388, 2, 0), (40000, 4, 2), (131072, 8, 4)] {
             for dt in DType::ALL {
                 for log in [false, true] {
                     let c = if dt == DType::F32 { c_f32 } else { c_half };
                     let [_, k] = ops::softmax_kernels(dev, log, dt, 5, cols as u64).map_err(e)?;
                     let want = match c {
-                        0 => "_bwd_stream_".to_string(),
+                        0 => "_bwd_u".to_string(),
                         1 => "_bwd_v".to_string(),
                         c => format!("_bwd_c{c}_"),
                     };

@@ -42,7 +42,9 @@ fn forward_out(op: &'static str, x: &Tensor, log: bool, y: &mut Tensor) -> Resul
         let Some(p) = forward_plan::<T>(x.device(), log, rows, cols)? else { return Ok(()) };
         let args: SoftmaxFwdArgs<T> = (x.dev_ptr(), y.dev_ptr_mut()?, rows, cols);
         // SAFETY: x and y hold rows * cols elements of T on this device (checked above); the
-        // plan picked a register-resident kernel only for whole-vector rows.
+        // plan picked an aligned register-resident kernel (`_v`) only for whole-vector rows, and
+        // the others load rows from their aligned 16 bytes, every tensor starting 16-byte
+        // aligned (`Tensor::from_device_ptr` refuses other addresses).
         unsafe { x.device().launch(p.kernel, p.cfg, args) }
     })
 }

@@ -12,6 +12,12 @@
 //!   from registers: one pass over memory, the minimum. Needs rows of whole vectors
 //!   (`cols % VEC == 0`, so every row starts 16-byte aligned) and `cols <= G * V * VEC` with
 //!   `G <= 1024`. Kernels named `*_v4_*` and `*_v8_*` carry `.maxntid 1024` (build_ptx.rs).
+//! - *Register-resident, unaligned* (`_u<V>` instances, the same kernel bodies with `U = true`):
+//!   rows of any length (`cols % VEC != 0`, so rows start at every alignment). A row is held as
+//!   the 16-byte vectors of the aligned run around it (`RowSpan`): one or two more than its
+//!   length needs at most, the lanes outside the row loaded but replaced by a value that leaves
+//!   the reductions as they are, and never stored (the first and last vectors are stored lane by
+//!   lane). Still one pass over memory; `cols + VEC - 1 <= G * V * VEC`.
 //! - *Streaming*: any row, of any length or alignment. The row is read once to reduce and read
 //!   again to write; the second read of a row mostly hits L2, since the group has just read it.
 //!   Unaligned rows are split into a scalar head, whole aligned vectors and a scalar tail.
@@ -48,6 +54,8 @@ pub const fn cluster_slots(c: u32) -> u32 {
 pub enum RowVariant {
     /// Register-resident, this many vectors a thread.
     Reg(usize),
+    /// Register-resident over rows of any length (`_u<V>`), this many vectors a thread.
+    RegU(usize),
     /// Streaming: any row.
     Stream,
     /// A row over a cluster of this many blocks, at this many vectors a thread (sm_90).
@@ -80,6 +88,10 @@ impl<A: Params> RowKernels<A> {
     /// The instance over a cluster of `c` blocks at `v` vectors a thread.
     pub fn cluster(&self, c: u32, v: usize) -> Option<Kernel<A>> {
         self.get(RowVariant::Cluster(c, v))
+    }
+    /// The register-resident instance for rows of any length, `v` vectors a thread.
+    pub fn reg_unaligned(&self, v: usize) -> Option<Kernel<A>> {
+        self.get(RowVariant::RegU(v))
     }
     /// The vectors a thread of the register-resident instances, ascending.
     pub fn reg_vectors(&self) -> impl Iterator<Item = usize> + '_ {
@@ -475,6 +487,168 @@ mod device {
             },
         );
         raw
+    }
+
+    /// A row as a register-resident kernel holds it: `nvec` 16-byte vectors from `lead`
+    /// elements before the row's start (its start rounded down to 16 bytes); element `i` of
+    /// them is column `i - lead`, in the row for `lead <= i < end`. With `U = false` (rows of
+    /// whole vectors, so 16-byte aligned) `lead` is 0 and `end` is `cols`, both known to the
+    /// compiler as such: the aligned kernels are what they were without it.
+    #[derive(Clone, Copy)]
+    pub struct RowSpan<const U: bool> {
+        pub lead: u64,
+        pub end: u64,
+        pub nvec: u64,
+    }
+
+    impl<const U: bool> RowSpan<U> {
+        /// The span of the row at `row` of `cols` elements; empty when not `ok`. With `U`, the
+        /// tensor's other rows' pointers must have `row`'s alignment (every tensor starts
+        /// 16-byte aligned, so a row's alignment depends only on its index).
+        #[inline(always)]
+        pub fn of<T: Elem>(row: *const T, cols: u64, ok: bool) -> Self {
+            if !ok {
+                return RowSpan { lead: 0, end: 0, nvec: 0 };
+            }
+            let lead = if U { (row as u64 % 16) / core::mem::size_of::<T>() as u64 } else { 0 };
+            let end = lead + cols;
+            RowSpan { lead, end, nvec: if U { end.div_ceil(T::VEC as u64) } else { cols / T::VEC as u64 } }
+        }
+
+        /// Whether vector `j` lies wholly inside the row (always, without `U`).
+        #[inline(always)]
+        pub fn whole<T: Elem>(&self, j: u64) -> bool {
+            !U || ((j > 0 || self.lead == 0) && (j + 1) * T::VEC as u64 <= self.end)
+        }
+
+        /// Whether lane `k` of vector `j` is in the row (for a vector that is not whole).
+        #[inline(always)]
+        pub fn lane_in<T: Elem>(&self, j: u64, k: usize) -> bool {
+            let i = j * T::VEC as u64 + k as u64;
+            i >= self.lead && i < self.end
+        }
+    }
+
+    /// The bits of lane `k` within its 32-bit word of a packed vector of `T` (the lower address
+    /// in the lower bits).
+    #[inline(always)]
+    fn lane_bits<T: Elem>(k: usize) -> (usize, u32) {
+        let per_word = T::VEC / 4;
+        if per_word == 1 { (k, u32::MAX) } else { (k / per_word, 0xffff << ((k % per_word) * 16)) }
+    }
+
+    /// Loads this thread's vectors of a row held as `span` from `base` (the row's start less
+    /// `span.lead` elements) into registers, as [`load_row`]; with `U`, the lanes of a vector
+    /// outside the row are replaced by `fill`'s (a word of `T`'s packed values, e.g. `-inf`
+    /// for a max, 0 for a sum), so the reductions see only the row.
+    ///
+    /// # Safety
+    /// `base` must be 16-byte aligned; each of the row's elements must be readable and not
+    /// written by this launch. The lanes outside the row are read from the same aligned 16
+    /// bytes as a row element: never beyond a page that holds the tensor, and only ever masked.
+    #[inline(always)]
+    pub unsafe fn load_span<T: Elem, const V: usize, const U: bool>(
+        base: *const T,
+        span: RowSpan<U>,
+        g: &Group,
+        fill: u32,
+    ) -> [[u32; 4]; V] {
+        // SAFETY: as load_row, on whole aligned 16 bytes that hold a row element.
+        let ld = |p| unsafe { ld_global_nc_v4(p) };
+        // SAFETY: the contract.
+        unsafe { load_span_with::<T, V, U>(base, span, g, fill, ld) }
+    }
+
+    /// [`load_span`] with coherent loads (see [`load_row_coherent`]).
+    ///
+    /// # Safety
+    /// As [`load_span`], except that the row may be written by this launch: each element
+    /// only after this load, by the thread that read it. (The lanes outside the row may be
+    /// written by other threads meanwhile: their values are discarded.)
+    #[inline(always)]
+    pub unsafe fn load_span_coherent<T: Elem, const V: usize, const U: bool>(
+        base: *const T,
+        span: RowSpan<U>,
+        g: &Group,
+        fill: u32,
+    ) -> [[u32; 4]; V] {
+        // SAFETY: as load_row_coherent, on whole aligned 16 bytes that hold a row element.
+        let ld = |p| unsafe { ld_global_v4(p) };
+        // SAFETY: the contract.
+        unsafe { load_span_with::<T, V, U>(base, span, g, fill, ld) }
+    }
+
+    /// [`load_span`]'s slots, each loaded by `ld`.
+    ///
+    /// # Safety
+    /// As [`load_span`].
+    #[inline(always)]
+    unsafe fn load_span_with<T: Elem, const V: usize, const U: bool>(
+        base: *const T,
+        span: RowSpan<U>,
+        g: &Group,
+        fill: u32,
+        ld: impl Fn(*const u32) -> [u32; 4],
+    ) -> [[u32; 4]; V] {
+        // SAFETY: span.nvec vectors from base, per the contract.
+        let mut raw = unsafe { load_row_with::<T, V>(base, span.nvec, g, true, ld) };
+        if U {
+            for_slots::<V>(
+                #[inline(always)]
+                |s| {
+                    let j = g.t as u64 + (s as u64) * g.size as u64;
+                    if j < span.nvec && !span.whole::<T>(j) {
+                        let mut out = [0u32; 4];
+                        crate::dtype::for_lanes::<T>(
+                            #[inline(always)]
+                            |k| {
+                                let (w, bits) = lane_bits::<T>(k);
+                                if !span.lane_in::<T>(j, k) {
+                                    out[w] |= bits;
+                                }
+                            },
+                        );
+                        let mut w = 0;
+                        while w < 4 {
+                            raw[s][w] = (raw[s][w] & !out[w]) | (fill & out[w]);
+                            w += 1;
+                        }
+                    }
+                },
+            );
+        }
+        raw
+    }
+
+    /// Stores vector `j` of a row held as `span` (`packed`) at `p` (the vector's address in
+    /// the output): whole, or (with `U`) lane by lane, the lanes inside the row only.
+    ///
+    /// # Safety
+    /// `p` must be 16-byte aligned and the row's elements among its lanes writable by this
+    /// thread alone.
+    #[inline(always)]
+    pub unsafe fn store_span<T: Elem, const U: bool>(p: *mut T, span: RowSpan<U>, j: u64, packed: [u32; 4]) {
+        if span.whole::<T>(j) {
+            // SAFETY: the contract; the whole vector is the row's.
+            unsafe { st_global_v4(p as *mut u32, packed) };
+            return;
+        }
+        crate::dtype::for_lanes::<T>(
+            #[inline(always)]
+            |k| {
+                if span.lane_in::<T>(j, k) {
+                    let (w, _) = lane_bits::<T>(k);
+                    // SAFETY: lane k is inside the row, per the contract.
+                    unsafe {
+                        if T::VEC == 4 {
+                            *(p as *mut u32).add(k) = packed[w];
+                        } else {
+                            *(p as *mut u16).add(k) = (packed[w] >> ((k % 2) * 16)) as u16;
+                        }
+                    }
+                }
+            },
+        );
     }
 
     /// Whether slot `s` of this thread holds a vector of the row.

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Memory pattern: one read and one write of the row, the minimum, when the row fits in the
-//! registers of a group (`*_v{1,2,4,8}` kernels, see `rows.rs`); otherwise a streaming kernel
+//! registers of a group (`*_v{1,2,4,8}` kernels, and `*_u{1,2,4}` for rows of any length,
+//! see `rows.rs`); otherwise a streaming kernel
 //! that reads the row twice (the second time mostly from L2) with an *online* max and sum
 //! (Milakov and Gimelshein, 2018), so a row of any length is one pass of reductions.
 //!
@@ -107,15 +108,27 @@ mod device {
         (offset(p[0]), recip(p[1]), log(p[1]))
     }
 
-    pub unsafe fn fwd_reg<T: Elem, S: Kind, const V: usize>(x: *const T, y: *mut T, rows: u64, cols: u64) {
+    /// Register-resident forward; with `U`, over rows of any length (`rows::RowSpan`), the
+    /// lanes outside the row loaded as `-inf` (no term of the max or the sum).
+    pub unsafe fn fwd_reg<T: Elem, S: Kind, const V: usize, const U: bool>(
+        x: *const T,
+        y: *mut T,
+        rows: u64,
+        cols: u64,
+    ) {
         let g = Group::this();
         let row = g.first_row();
         let ok = row < rows;
-        let nvec = cols / T::VEC as u64;
         let mut red = RowReducer::<1>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
-        // SAFETY: rows are whole vectors (host-checked), so row `row` starts 16-byte aligned.
-        let raw = unsafe { load_row::<T, V>(x.add(off), nvec, &g, ok) };
+        // SAFETY: inside the tensor (row < rows, or the first row).
+        let sp = RowSpan::<U>::of(unsafe { x.add(off) }, cols, ok);
+        let nvec = sp.nvec;
+        // The aligned run's start: the row's, without `U` (rows of whole vectors, host-checked).
+        let off = off - sp.lead as usize;
+        let fill = if U { T::pack(&[f32::NEG_INFINITY; 8])[0] } else { 0 };
+        // SAFETY: x.add(off) is 16-byte aligned (every tensor starts so) and the run holds the row.
+        let raw = unsafe { load_span::<T, V, U>(x.add(off), sp, &g, fill) };
         // The row is in registers, so its max can come first: two cheap reductions (max, then
         // sum) and one `exp` per element, where a single reduction of (max, sum) pairs costs
         // two `exp` per merge and a rescaling per chunk.
@@ -174,8 +187,10 @@ mod device {
                         #[inline(always)]
                         |k| v[k] = if keep { v[k] * inv_s } else { out::<T, S>(v[k], o, inv_s, log_s) },
                     );
-                    // SAFETY: the slot's vector is inside row `row` of y (same shape as x).
-                    unsafe { st_global_v4(y.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&v)) };
+                    let j = slot_col::<T>(&g, s) / T::VEC as u64;
+                    // SAFETY: the slot's vector holds elements of row `row` of y (x's shape), and
+                    // only those are stored.
+                    unsafe { store_span::<T, U>(y.add(off + slot_col::<T>(&g, s) as usize), sp, j, T::pack(&v)) };
                 }
             },
         );
@@ -261,8 +276,10 @@ mod device {
     /// Register-resident backward: one group per row (`C = 1`), or (sm_90) a cluster of `C`
     /// blocks per row, each holding a run of it (`rows::cluster_run`), the row's dot product
     /// combined over the cluster (`rows::ClusterExchange`). Rows of 32768 f32 (y and g: 256 KB)
-    /// streamed slower; two blocks of 1024 threads hold them at four vectors a thread.
-    pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize, const C: u32>(
+    /// streamed slower; two blocks of 1024 threads hold them at four vectors a thread. With `U`
+    /// (`C = 1` only), rows of any length (`rows::RowSpan`), the lanes outside the row loaded
+    /// as 0 in both y and g (no term of the dot product).
+    pub unsafe fn bwd_reg<T: Elem, S: Kind, const V: usize, const C: u32, const U: bool>(
         y: *const T,
         gr: *const T,
         gx: *mut T,
@@ -272,14 +289,24 @@ mod device {
         let g = Group::this();
         let row = launch_row::<C>(&g);
         let ok = row < rows;
+        const { assert!(C == 1 || !U) };
         let (col0, nvec) = cluster_run::<T, C>(cols);
         // SAFETY: col0 + nvec * VEC <= cols.
         let (y, gr, gx) = unsafe { (y.add(col0 as usize), gr.add(col0 as usize), gx.add(col0 as usize)) };
         let mut red = RowReducer::<C>::new(&g);
         let off = if ok { (row * cols) as usize } else { 0 };
-        // SAFETY: as fwd_reg; gx aliases neither input, so the `.nc` loads see no writes.
+        // SAFETY: inside the tensor (row < rows, or the first row).
+        let mut sp = RowSpan::<U>::of(unsafe { y.add(off) }, cols, ok);
+        if !U && ok {
+            // A cluster's block holds its run only.
+            sp.nvec = nvec;
+        }
+        let nvec = sp.nvec;
+        let off = off - sp.lead as usize;
+        // SAFETY: as fwd_reg (the three tensors' rows share their alignment); gx aliases
+        // neither input, so the `.nc` loads see no writes.
         let (ry, rg) =
-            unsafe { (load_row::<T, V>(y.add(off), nvec, &g, ok), load_row::<T, V>(gr.add(off), nvec, &g, ok)) };
+            unsafe { (load_span::<T, V, U>(y.add(off), sp, &g, 0), load_span::<T, V, U>(gr.add(off), sp, &g, 0)) };
         let mut dot = 0.0f32;
         for_slots::<V>(
             #[inline(always)]
@@ -304,8 +331,9 @@ mod device {
                         #[inline(always)]
                         |k| vg[k] = bwd_out::<T, S>(vy[k], vg[k], dot),
                     );
-                    // SAFETY: inside row `row` of gx.
-                    unsafe { st_global_v4(gx.add(off + slot_col::<T>(&g, s) as usize) as *mut u32, T::pack(&vg)) };
+                    let j = slot_col::<T>(&g, s) / T::VEC as u64;
+                    // SAFETY: the slot's vector holds elements of row `row` of gx, only those stored.
+                    unsafe { store_span::<T, U>(gx.add(off + slot_col::<T>(&g, s) as usize), sp, j, T::pack(&vg)) };
                 }
             },
         );
@@ -379,7 +407,7 @@ mod device {
 #[cfg(target_arch = "nvptx64")]
 pub use device::*;
 
-// --- the kernels: `<softmax|log_softmax>_<fwd|bwd>_<v1|v2|v4|v8|stream|c<C>_v4>_<dtype>` -------
+// --- the kernels: `<softmax|log_softmax>_<fwd|bwd>_<v1|v2|v4|v8|u1|u2|u4|stream|c<C>_v4>_<dtype>` ---
 
 /// The softmax family's kernels of one storage type `T`, typed (see [`RowKernels`]).
 pub struct SoftmaxKernels<T: 'static> {
@@ -431,26 +459,33 @@ pub fn all_kernels() -> impl Iterator<Item = KernelEntry> {
 /// device), their typed handles and the type's [`SoftmaxKernels`] table (on the host).
 macro_rules! softmax_family {
     ($($T:ty, $sfx:ident, $table:ident:
-        fwd [$($f:literal)*] log_fwd [$($lf:literal)*] bwd [$($b:literal)*] bwd_clusters [$($c:literal)*];)*) => { $(
-        softmax_family!(@op $T, $sfx, softmax, Softmax, [$($f)*], [$($b)*], [$($c)*]);
-        softmax_family!(@op $T, $sfx, log_softmax, LogSoftmax, [$($lf)*], [$($b)*], [$($c)*]);
+        fwd [$($f:literal)*] log_fwd [$($lf:literal)*] unaligned_fwd [$($uf:literal)*] bwd [$($b:literal)*]
+        bwd_clusters [$($c:literal)*];)*) => { $(
+        softmax_family!(@op $T, $sfx, softmax, Softmax, [$($f)*], [$($uf)*], [$($b)*], [$($c)*]);
+        softmax_family!(@op $T, $sfx, log_softmax, LogSoftmax, [$($lf)*], [$($uf)*], [$($b)*], [$($c)*]);
         #[cfg(not(target_arch = "nvptx64"))]
         #[doc = concat!("The softmax kernels of ", stringify!($sfx), ".")]
         pub const $table: SoftmaxKernels<$T> = SoftmaxKernels {
-            softmax: softmax_family!(@table $sfx, softmax, [$($f)*], [$($b)*], [$($c)*]),
-            log_softmax: softmax_family!(@table $sfx, log_softmax, [$($lf)*], [$($b)*], [$($c)*]),
+            softmax: softmax_family!(@table $sfx, softmax, [$($f)*], [$($uf)*], [$($b)*], [$($c)*]),
+            log_softmax: softmax_family!(@table $sfx, log_softmax, [$($lf)*], [$($uf)*], [$($b)*], [$($c)*]),
         };
         #[cfg(not(target_arch = "nvptx64"))]
         impl SoftmaxElem for $T {
             const SOFTMAX: SoftmaxKernels<$T> = $table;
         }
     )* };
-    (@op $T:ty, $sfx:ident, $op:ident, $K:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*]) => {
+    (@op $T:ty, $sfx:ident, $op:ident, $K:ident, [$($f:literal)*], [$($uf:literal)*], [$($b:literal)*],
+        [$($c:literal)*]) => {
         paste::paste! {
             $( $crate::kernel!([<$op _fwd_v $f _ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
-                fwd_reg::<$T, $K, $f>(x, y, rows, cols)); )*
+                fwd_reg::<$T, $K, $f, false>(x, y, rows, cols)); )*
             $( $crate::kernel!([<$op _bwd_v $b _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
-                bwd_reg::<$T, $K, $b, 1>(y, g, gx, rows, cols)); )*
+                bwd_reg::<$T, $K, $b, 1, false>(y, g, gx, rows, cols)); )*
+            // The same over rows of any length (`rows::RowSpan`).
+            $( $crate::kernel!([<$op _fwd_u $uf _ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
+                fwd_reg::<$T, $K, $uf, true>(x, y, rows, cols)); )*
+            $( $crate::kernel!([<$op _bwd_u $b _ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
+                bwd_reg::<$T, $K, $b, 1, true>(y, g, gx, rows, cols)); )*
             $crate::kernel!([<$op _fwd_stream_ $sfx>]: SoftmaxFwdArgs<$T> = |x, y, rows, cols|
                 fwd_stream::<$T, $K>(x, y, rows, cols));
             $crate::kernel!([<$op _bwd_stream_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
@@ -459,18 +494,20 @@ macro_rules! softmax_family {
             // every target and launches them where the device's module has them).
             $( #[cfg(any(not(target_arch = "nvptx64"), target_feature = "sm_90"))]
             $crate::kernel!([<$op _bwd_c $c _v4_ $sfx>]: SoftmaxBwdArgs<$T> = |y, g, gx, rows, cols|
-                bwd_reg::<$T, $K, 4, $c>(y, g, gx, rows, cols)); )*
+                bwd_reg::<$T, $K, 4, $c, false>(y, g, gx, rows, cols)); )*
         }
     };
-    (@table $sfx:ident, $op:ident, [$($f:literal)*], [$($b:literal)*], [$($c:literal)*]) => {
+    (@table $sfx:ident, $op:ident, [$($f:literal)*], [$($uf:literal)*], [$($b:literal)*], [$($c:literal)*]) => {
         paste::paste! {
             SoftmaxOp {
                 fwd: RowKernels::new(&[
                     $( (RowVariant::Reg($f), [<$op _fwd_v $f _ $sfx>]), )*
+                    $( (RowVariant::RegU($uf), [<$op _fwd_u $uf _ $sfx>]), )*
                     (RowVariant::Stream, [<$op _fwd_stream_ $sfx>]),
                 ]),
                 bwd: RowKernels::new(&[
                     $( (RowVariant::Reg($b), [<$op _bwd_v $b _ $sfx>]), )*
+                    $( (RowVariant::RegU($b), [<$op _bwd_u $b _ $sfx>]), )*
                     $( (RowVariant::Cluster($c, 4), [<$op _bwd_c $c _v4_ $sfx>]), )*
                     (RowVariant::Stream, [<$op _bwd_stream_ $sfx>]),
                 ]),
@@ -490,8 +527,14 @@ macro_rules! softmax_family {
 // f16/bf16) are held by a cluster of 2, 4 or 8 blocks (sm_90; older GPUs stream them). The
 // forward has no cluster kernels: one cluster per row at four vectors a thread, tried, ran
 // slower than one block per row (f32 at 4096 x 32768; docs/worklog.md, 2026-11-25c).
+// Rows that are not whole vectors (`_u`, both directions) go up to four vectors a thread: at
+// eight, the forward's span bookkeeping on top of the row spilled within 64 registers (sm_90a,
+// 2026-11-28-rows), so rows over 4096 vectors stream.
 softmax_family! {
-    f32, f32, SOFTMAX_F32: fwd [1 2 4 8] log_fwd [1 2 4] bwd [1 2 4] bwd_clusters [2 4 8];
-    crate::dtype::F16, f16, SOFTMAX_F16: fwd [1 2 4 8] log_fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [2 4 8];
-    crate::dtype::BF16, bf16, SOFTMAX_BF16: fwd [1 2 4 8] log_fwd [1 2 4 8] bwd [1 2 4] bwd_clusters [2 4 8];
+    f32, f32, SOFTMAX_F32: fwd [1 2 4 8] log_fwd [1 2 4] unaligned_fwd [1 2 4] bwd [1 2 4]
+        bwd_clusters [2 4 8];
+    crate::dtype::F16, f16, SOFTMAX_F16: fwd [1 2 4 8] log_fwd [1 2 4 8] unaligned_fwd [1 2 4] bwd [1 2 4]
+        bwd_clusters [2 4 8];
+    crate::dtype::BF16, bf16, SOFTMAX_BF16: fwd [1 2 4 8] log_fwd [1 2 4 8] unaligned_fwd [1 2 4] bwd [1 2 4]
+        bwd_clusters [2 4 8];
 }
