@@ -14,6 +14,10 @@
 //! - An entry is inserted only after the write is complete on the device (the stream that wrote
 //!   it was synchronised), so a hit needs no ordering with any stream: work on a foreign stream
 //!   (`Device::with_stream`), another thread's, or a graph replayed later reads finished words.
+//! - A set of maps is cached the second time it is asked for: the first call writes a buffer of
+//!   its own (no synchronisation), so that maps seen once (attention decoding with a KV cache,
+//!   whose key length grows each call; products of one-off shapes) cost no stall and no slot,
+//!   while a training step's products are cached from their second step on.
 //! - Nothing is written while this thread's stream captures a graph (a write captured into the
 //!   graph would run only on replay, and a synchronisation is not allowed then): a miss then is
 //!   not cached, and the caller's own buffer is captured as before. Hits are fine under capture.
@@ -22,6 +26,8 @@ use super::*;
 use crate::error::{Result, driver};
 use cudarc::driver::result;
 use kernels_gpu::gemm_wgmma::MAP_WORDS;
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
 
 /// The most entries a device caches (a slot of 512 bytes each: 2 MiB of device memory and as
 /// much of host memory at most); enough for every GEMM and attention call of a model's step.
@@ -41,6 +47,9 @@ pub(super) struct MapCache {
     pub(super) chunks: Vec<u64>,
     /// Slots handed out, in chunk order.
     used: usize,
+    /// Hashes of the sets of maps asked for once and not cached yet; cleared when it holds
+    /// [`MAP_CACHE_SLOTS`] (a collision only caches a set early).
+    seen: HashSet<u64>,
     stats: TensorMapCacheStats,
 }
 
@@ -53,18 +62,22 @@ pub struct TensorMapCacheStats {
     pub hits: u64,
     /// Calls that wrote a new slot (a `store_tensor_maps` launch and a synchronisation).
     pub misses: u64,
-    /// Calls not cached: the stream was capturing a graph, or the cache was full.
+    /// Calls not cached: the set of maps was new (cached the next time), the stream was
+    /// capturing a graph, or the cache was full.
     pub bypassed: u64,
+    /// Of `bypassed`, the calls whose set of maps was new.
+    pub first_seen: u64,
     /// Slots in use.
     pub entries: usize,
 }
 
 impl Device {
     /// The device address of a slot holding `words`, 64-byte aligned, written once and never
-    /// again. On a miss `store(dst)` is called to write `words` to the [`MAP_WORDS`] words at
+    /// again, from the second call with the same `words` on. On a miss `store(dst)` is called to write `words` to the [`MAP_WORDS`] words at
     /// `dst`, stream-ordered on this thread's stream, and the stream is synchronised before the
     /// slot is remembered (module notes). `None`: not cached (a capturing stream, or the cache
-    /// is full); the caller writes the words into a buffer of its own.
+    /// is full, or `words` asked for the first time); the caller writes the words into a buffer
+    /// of its own.
     pub(crate) fn cached_tensor_maps(
         &self,
         op: &'static str,
@@ -80,6 +93,20 @@ impl Device {
         }
         if c.used == MAP_CACHE_SLOTS || self.is_capturing()? {
             c.stats.bypassed += 1;
+            return Ok(None);
+        }
+        let hash = {
+            let mut h = std::hash::DefaultHasher::new();
+            words.hash(&mut h);
+            h.finish()
+        };
+        if !c.seen.remove(&hash) {
+            if c.seen.len() >= MAP_CACHE_SLOTS {
+                c.seen.clear();
+            }
+            c.seen.insert(hash);
+            c.stats.bypassed += 1;
+            c.stats.first_seen += 1;
             return Ok(None);
         }
         if c.used == c.chunks.len() * CHUNK_SLOTS {
