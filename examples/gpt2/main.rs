@@ -629,6 +629,15 @@ fn summary(
         gib(mem.peak_allocated_bytes),
         gib(mem.peak_reserved_bytes)
     );
+    // Whether the products' tensor maps came from the device's cache (sm_90a only).
+    let maps = dev.tensor_map_cache_stats();
+    println!(
+        "tensor maps: {} calls from the cache, {} cached, {} new, {} not cached",
+        maps.hits,
+        maps.misses,
+        maps.first_seen,
+        maps.bypassed - maps.first_seen
+    );
     if let Some(path) = args.path("json") {
         let j = serde_json::json!({
             "example": "gpt2",
