@@ -4,9 +4,9 @@
 //! The kernels read A and B through TMA tensor maps (`cuTensorMapEncodeTiled`), which need
 //! 16-byte aligned rows; the maps go to the device written by a kernel that takes them as its
 //! parameter, stream-ordered ([`upload_maps`]; the kernel fences them:
-//! `prim::fence_tensormap`). Each distinct set is written once, into a slot of the device's
-//! cache of tensor maps (`host/device/map_cache.rs`): a model that runs the same products on the
-//! same buffers every step launches no writes after its first step.
+//! `prim::fence_tensormap`). A set asked for a second time is written once more, into a slot of
+//! the device's cache of tensor maps (`host/device/map_cache.rs`): a model that runs the same
+//! products on the same buffers every step launches no writes after its second step.
 
 use crate::device::{Device, DeviceBuffer, LaunchConfig};
 use crate::error::{Error, Result, driver};
@@ -121,10 +121,11 @@ impl Maps {
 }
 
 /// `maps` (at most four) in order in [`MAP_WORDS`] words on the device, for the kernels launched
-/// after this on the calling thread's stream. Each set of maps is written once into a slot of the
-/// device's cache, keyed by its words (never stale: a map is a pure function of address, shape,
-/// strides, box, dtype and swizzle), so a repeated call launches nothing; when the cache cannot
-/// take them (full, or the stream capturing a graph), into a buffer of this call's own.
+/// after this on the calling thread's stream. A set of maps asked for a second time is written
+/// into a slot of the device's cache, keyed by its words (never stale: a map is a pure function
+/// of address, shape, strides, box, dtype and swizzle), so later calls launch nothing; the first
+/// time, or when the cache cannot take them (full, or the stream capturing a graph), into a
+/// buffer of this call's own.
 ///
 /// Either way the words are written by a one-thread kernel whose parameter carries them
 /// (`store_tensor_maps`), stream-ordered. Not a copy from host memory: a CUDA graph that records
