@@ -173,6 +173,10 @@ mod device {
         col_tile: u32,
         acc: &[f32; 128],
     ) {
+        // A copy in registers: read through the reference, every field would be loaded again
+        // from the kernel's stack copy of the parameter after each store (an `asm!` store may
+        // write any memory).
+        let e = *e;
         let t = thread_idx_x() % 4;
         let pack = |lo: f32, hi: f32| {
             if O::DTYPE == crate::DType::BF16 { f32x2_to_bf16x2(lo, hi) } else { f32x2_to_f16x2(lo, hi) }
@@ -245,6 +249,8 @@ mod device {
     /// As [`store_tile`]; the whole warp calls it (shuffles).
     #[inline(always)]
     unsafe fn store_tile_quad_plain<O: OutType>(e: &Epilogue, b: u32, row: u32, col_tile: u32, acc: &[f32; 128]) {
+        // As in store_tile_quad: the fields in registers across the stores.
+        let e = *e;
         let t = thread_idx_x() % 4;
         let pack = |lo: f32, hi: f32| {
             if O::DTYPE == crate::DType::BF16 { f32x2_to_bf16x2(lo, hi) } else { f32x2_to_f16x2(lo, hi) }
